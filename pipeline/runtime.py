@@ -11,9 +11,10 @@ import asyncio
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
+_DONE = object()
 
 
 def pin_torch_threads(num_threads: int) -> None:
@@ -60,6 +61,27 @@ class InferenceThread:
         """Run ``fn`` on the inference thread without blocking the event loop."""
         loop = asyncio.get_running_loop()
         return await asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs), loop=loop)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn`` on the inference thread without waiting (clean-up after cancellation)."""
+        self._executor.submit(fn, *args)
+
+    async def iterate(self, make: Callable[..., Iterator[T]], *args: Any) -> AsyncIterator[T]:
+        """Create an engine iterator and advance it one item at a time, all on this thread.
+
+        Each ``next()`` is one executor call, so several streams interleave item by item.
+        If the consumer stops early or is cancelled, the iterator is closed on this thread,
+        which releases its state in the engine (KV cache, streaming buffers).
+        """
+        it = await self.run(make, *args)
+        try:
+            while True:
+                item = await self.run(next, it, _DONE)
+                if item is _DONE:
+                    return
+                yield item
+        finally:
+            self.submit(getattr(it, "close", lambda: None))
 
     def on_thread(self) -> bool:
         return threading.get_ident() == self.ident

@@ -1,0 +1,56 @@
+"""The application builder that ``serve_config.yaml`` imports: validated args -> four deployments."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from ray.serve import Application
+
+from deployments.gateway import Gateway
+from deployments.llm import LLM
+from deployments.stt import STT
+from deployments.tts import TTS
+from pipeline.llm.config import LLMConfig
+from pipeline.session import SessionConfig
+from pipeline.stt.config import STTConfig
+from pipeline.tts.config import TTSConfig
+
+
+class AppArgs(BaseModel):
+    """``args:`` of the app in serve_config.yaml. Unknown keys are errors, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    profile: Literal["tiny", "real"] = "tiny"
+    device: Literal["cpu", "cuda"] = "cpu"
+    stt: dict[str, Any] = {}
+    llm: dict[str, Any] = {}
+    tts: dict[str, Any] = {}
+    session: dict[str, Any] = {}
+
+
+def _engine_config(cls, profile: str, device: str, overrides: dict[str, Any]):
+    base = cls.tiny() if profile == "tiny" else cls.real()
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} settings {sorted(unknown)}; known: {sorted(fields)}")
+    return dataclasses.replace(base, device=device, **overrides)
+
+
+def configs(args: AppArgs) -> dict[str, Any]:
+    session_fields = {f.name for f in dataclasses.fields(SessionConfig) if not f.name.startswith("on_")}
+    unknown = set(args.session) - session_fields
+    if unknown:
+        raise ValueError(f"unknown session settings {sorted(unknown)}; known: {sorted(session_fields)}")
+    return {
+        "stt": _engine_config(STTConfig, args.profile, args.device, args.stt),
+        "llm": _engine_config(LLMConfig, args.profile, args.device, args.llm),
+        "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts),
+        "session": dict(args.session),
+    }
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    cfg = configs(AppArgs(**(args or {})))
+    return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"])

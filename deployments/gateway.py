@@ -1,0 +1,106 @@
+"""Gateway deployment: the WebSocket ingress. Holds the sessions; models live elsewhere."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import numpy as np
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import JSONResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.websockets import WebSocketDisconnect
+
+from pipeline import protocol as P
+from pipeline.session import NoFreeSlot, Session, SessionConfig
+
+log = logging.getLogger("ray.serve")
+api = FastAPI(title="gapless", docs_url=None, redoc_url=None)
+
+
+async def _remote_stream(gen) -> AsyncIterator:
+    """Iterate a streaming handle call; cancel the remote generator if we stop early."""
+    try:
+        async for item in gen:
+            yield item
+    finally:
+        gen.cancel()
+
+
+class RayBackends:
+    """The session's view of the engines, through deployment handles."""
+
+    def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle):
+        self.stt, self.llm, self.tts = stt, llm, tts
+
+    async def stt_open(self, sid: str) -> None:
+        reason = await self.stt.open.remote(sid)
+        if reason:
+            raise NoFreeSlot(reason)
+
+    async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]:
+        return await self.stt.push.remote(sid, pcm)
+
+    async def stt_finish(self, sid: str) -> str:
+        return await self.stt.finish.remote(sid)
+
+    async def stt_close(self, sid: str) -> None:
+        await self.stt.close.remote(sid)
+
+    def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]:
+        return _remote_stream(self.llm.options(stream=True).stream.remote(messages))
+
+    def tts_stream(self, text: str) -> AsyncIterator[np.ndarray]:
+        return _remote_stream(self.tts.options(stream=True).stream.remote(text))
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1000)
+@serve.ingress(api)
+class Gateway:
+    def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict):
+        self.backends = RayBackends(stt, llm, tts)
+        self.handles = {"stt": stt, "llm": llm, "tts": tts}
+        self.session_args = dict(session)
+        self.sessions: dict[str, Session] = {}
+
+    @api.get("/healthz")
+    async def healthz(self):
+        """200 once every model deployment has loaded and warmed up, 503 before."""
+        names = list(self.handles)
+        calls = [asyncio.wait_for(self.handles[n].ready.remote(), timeout=2.0) for n in names]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        status = {n: (r is True) for n, r in zip(names, results)}
+        ok = all(status.values())
+        return JSONResponse({"ok": ok, "deployments": status}, status_code=200 if ok else 503)
+
+    @api.websocket("/v1/conversation")
+    async def conversation(self, ws: WebSocket) -> None:
+        await ws.accept()
+        session = Session(ws.send_bytes, self.backends, SessionConfig(**self.session_args))
+        try:
+            await session.start()
+        except NoFreeSlot as exc:
+            await session.send_error(P.E_NO_FREE_SLOT, str(exc))
+            await ws.close(code=P.CLOSE_TRY_AGAIN_LATER, reason="no free recogniser slot")
+            return
+        self.sessions[session.id] = session
+        try:
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                frame = msg.get("bytes")
+                await session.on_frame(frame if frame is not None else msg.get("text", ""))
+        except WebSocketDisconnect:
+            pass
+        except Exception as exc:  # noqa: BLE001 - one session's fault closes that session only
+            log.exception("session %s failed", session.id)
+            try:
+                await session.send_error(P.E_INTERNAL, f"session failed: {type(exc).__name__}")
+                await ws.close(code=P.CLOSE_INTERNAL_ERROR, reason="internal error")
+            except Exception:  # noqa: BLE001
+                pass
+        finally:
+            self.sessions.pop(session.id, None)
+            await session.close()

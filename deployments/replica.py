@@ -1,0 +1,40 @@
+"""What every model deployment shares: threads from its CPU share, one inference thread,
+load and warm-up on that thread before the replica reports healthy."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import ray
+
+from pipeline.runtime import InferenceThread, pin_torch_threads, threads_for_cpu_share
+
+log = logging.getLogger("ray.serve")
+
+
+def replica_cpu_share() -> float:
+    try:
+        return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return 1.0
+
+
+class ModelReplica:
+    """Mixin: ``self.thread`` runs every model call; ``self.engine`` is loaded and warm."""
+
+    thread: InferenceThread
+    engine: Any
+
+    def start_engine(self, name: str, load: Callable[[], Any]) -> None:
+        threads = threads_for_cpu_share(replica_cpu_share())
+        pin_torch_threads(threads)  # the process default, before any torch work
+        self.thread = InferenceThread(name, threads)
+        t0 = time.perf_counter()
+        # Load and warm on the thread that will serve: per-thread caches get filled there.
+        self.engine = self.thread.call(load)
+        log.info("%s ready in %.1f s (%d torch thread(s))", name, time.perf_counter() - t0, threads)
+
+    async def ready(self) -> bool:
+        """Answered only once the constructor (load + warm-up) has finished."""
+        return True

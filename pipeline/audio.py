@@ -1,0 +1,66 @@
+"""Audio helpers shared by engines, gateway and clients: int16 <-> float, resampling, WAV I/O."""
+from __future__ import annotations
+
+import io
+import wave
+from math import gcd
+
+import numpy as np
+
+
+def int16_to_float(pcm: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(pcm, dtype=np.float32) / 32768.0
+
+
+def float_to_int16(audio: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.clip(np.round(audio * 32767.0), -32768, 32767).astype(np.int16))
+
+
+def resample(audio: np.ndarray, src_rate: int, dst_rate: int, taps_per_phase: int = 16) -> np.ndarray:
+    """Polyphase resampling with a Kaiser-windowed sinc low-pass (float32 in, float32 out)."""
+    if src_rate == dst_rate:
+        return np.ascontiguousarray(audio, dtype=np.float32)
+    g = gcd(src_rate, dst_rate)
+    up, down = dst_rate // g, src_rate // g
+    cutoff = 0.5 / max(up, down)
+    half = taps_per_phase * max(up, down)
+    n = np.arange(-half, half + 1)
+    h = 2 * cutoff * np.sinc(2 * cutoff * n) * np.kaiser(len(n), 8.0) * up
+    x = np.zeros(len(audio) * up, dtype=np.float64)
+    x[::up] = audio
+    y = np.convolve(x, h)[half : half + len(x)]
+    return np.ascontiguousarray(y[::down], dtype=np.float32)
+
+
+def read_wav(path_or_bytes) -> tuple[np.ndarray, int]:
+    """Read a mono/stereo 16-bit WAV; returns (int16 mono samples, sample rate)."""
+    src = io.BytesIO(path_or_bytes) if isinstance(path_or_bytes, (bytes, bytearray)) else path_or_bytes
+    with wave.open(src, "rb") as w:
+        if w.getsampwidth() != 2:
+            raise ValueError("only 16-bit PCM WAV files are supported")
+        data = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+        if w.getnchannels() > 1:
+            data = data.reshape(-1, w.getnchannels()).mean(axis=1).astype(np.int16)
+        return np.ascontiguousarray(data, dtype=np.int16), w.getframerate()
+
+
+def write_wav(path, pcm: np.ndarray, rate: int) -> None:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.ascontiguousarray(pcm, dtype="<i2").tobytes())
+
+
+def speech_like(seconds: float, rate: int = 16_000, seed: int = 0) -> np.ndarray:
+    """A deterministic speech-shaped test signal (voiced harmonics with syllable-rate envelope
+    and pauses), int16. For load and protocol tests where the words do not matter."""
+    rng = np.random.default_rng(seed)
+    n = int(seconds * rate)
+    t = np.arange(n) / rate
+    f0 = 110 + 40 * rng.random() + 20 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / rate
+    voiced = sum((0.6 / k) * np.sin(k * phase) for k in range(1, 8))
+    syllables = np.clip(np.sin(2 * np.pi * (3.5 + rng.random()) * t), 0, None) ** 2
+    noise = 0.05 * rng.standard_normal(n)
+    return float_to_int16(0.3 * voiced * syllables + noise * syllables)

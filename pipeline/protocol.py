@@ -1,0 +1,168 @@
+"""WebSocket protocol v1: message types, parsing and validation (see docs/protocol.md).
+
+Every message, both ways, is one binary WebSocket frame holding one msgpack map with a
+string ``type``. Parsing never raises anything but :class:`ProtocolError`, whose ``code``
+is part of the public contract (clients match on it), so one malformed frame gets one
+``error`` message and nothing else happens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+INPUT_SAMPLE_RATE = 16_000
+OUTPUT_SAMPLE_RATE = 24_000
+MAX_AUDIO_SECONDS = 1.0
+MAX_AUDIO_BYTES = int(INPUT_SAMPLE_RATE * MAX_AUDIO_SECONDS) * 2
+MAX_TEXT_CHARS = 4_000
+# Largest frame we read at all: one second of audio plus msgpack overhead, with room to spare.
+MAX_FRAME_BYTES = 64 * 1024
+
+# Stable error codes (docs/protocol.md lists them with their meaning).
+E_TEXT_FRAME = "text_frame"            # a text WebSocket frame; the protocol is binary msgpack
+E_FRAME_TOO_LARGE = "frame_too_large"  # a frame over MAX_FRAME_BYTES
+E_BAD_MSGPACK = "bad_msgpack"          # the frame is not one msgpack object
+E_NOT_A_MAP = "not_a_map"              # msgpack, but not a map
+E_MISSING_FIELD = "missing_field"      # a required field (``type`` included) is absent
+E_WRONG_TYPE = "wrong_type"            # a field has the wrong type
+E_UNKNOWN_TYPE = "unknown_type"        # ``type`` names no client message
+E_BAD_AUDIO = "bad_audio"              # pcm is empty, odd-length, or longer than 1 s
+E_TEXT_TOO_LONG = "text_too_long"      # a text turn over MAX_TEXT_CHARS
+E_NO_FREE_SLOT = "no_free_slot"        # the recogniser is full; the session is closed (1013)
+E_SERVER_BUSY = "server_busy"          # a backend refused work for this session
+E_INTERNAL = "internal"                # a server fault while handling this session
+
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_INTERNAL_ERROR = 1011
+
+
+class ProtocolError(Exception):
+    """A client message the server cannot accept; ``code`` is stable, ``message`` is for humans."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ----------------------------------------------------------------------------- client -> server
+@dataclass(frozen=True)
+class AudioIn:
+    pcm: np.ndarray  # int16, mono, 16 kHz, contiguous
+
+
+@dataclass(frozen=True)
+class TextIn:
+    text: str
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    pass
+
+
+ClientMessage = AudioIn | TextIn | TurnEnd
+
+
+def _field(msg: dict, name: str, kind: type | tuple[type, ...], type_name: str):
+    if name not in msg:
+        raise ProtocolError(E_MISSING_FIELD, f"message of type {msg.get('type')!r} needs field {name!r}")
+    value = msg[name]
+    if not isinstance(value, kind):
+        raise ProtocolError(
+            E_WRONG_TYPE, f"field {name!r} must be {type_name}, got {type(value).__name__}"
+        )
+    return value
+
+
+def parse_client_frame(frame: bytes | str) -> ClientMessage:
+    """Validate one WebSocket frame from a client; raise :class:`ProtocolError` if it is bad."""
+    if isinstance(frame, str):
+        raise ProtocolError(E_TEXT_FRAME, "send binary frames holding msgpack maps, not text frames")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(E_FRAME_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
+        raise ProtocolError(E_BAD_MSGPACK, f"frame is not a msgpack object: {type(exc).__name__}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(E_NOT_A_MAP, f"message must be a msgpack map, got {type(msg).__name__}")
+    kind = _field(msg, "type", str, "a string")
+    if kind == "audio":
+        pcm = _field(msg, "pcm", bytes, "bytes (int16 LE mono 16 kHz)")
+        if not pcm or len(pcm) % 2 or len(pcm) > MAX_AUDIO_BYTES:
+            raise ProtocolError(
+                E_BAD_AUDIO,
+                f"pcm must be a non-empty, even number of bytes up to {MAX_AUDIO_BYTES} "
+                f"(1 s of int16 at 16 kHz); got {len(pcm)}",
+            )
+        return AudioIn(np.frombuffer(pcm, dtype="<i2").astype(np.int16, copy=True))
+    if kind == "text":
+        text = _field(msg, "text", str, "a string")
+        if len(text) > MAX_TEXT_CHARS:
+            raise ProtocolError(E_TEXT_TOO_LONG, f"text of {len(text)} characters exceeds {MAX_TEXT_CHARS}")
+        return TextIn(text)
+    if kind == "turn.end":
+        return TurnEnd()
+    raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {kind!r} (expected audio, text, turn.end)")
+
+
+# ----------------------------------------------------------------------------- server -> client
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def session_ready(session_id: str) -> dict:
+    return {
+        "type": "session.ready",
+        "session_id": session_id,
+        "input_sample_rate": INPUT_SAMPLE_RATE,
+        "output_sample_rate": OUTPUT_SAMPLE_RATE,
+        "protocol_version": PROTOCOL_VERSION,
+    }
+
+
+def transcript_partial(text: str, turn: int) -> dict:
+    return {"type": "transcript.partial", "text": text, "turn": turn}
+
+
+def transcript_final(text: str, turn: int) -> dict:
+    return {"type": "transcript.final", "text": text, "turn": turn}
+
+
+def response_text(delta: str, turn: int) -> dict:
+    return {"type": "response.text", "text": delta, "turn": turn}
+
+
+def audio_out(pcm: np.ndarray, turn: int, seq: int) -> dict:
+    pcm = np.ascontiguousarray(pcm, dtype="<i2")
+    return {"type": "audio", "pcm": pcm.tobytes(), "turn": turn, "seq": seq}
+
+
+def response_done(turn: int, interrupted: bool) -> dict:
+    return {"type": "response.done", "turn": turn, "interrupted": bool(interrupted)}
+
+
+def error(code: str, message: str) -> dict:
+    return {"type": "error", "code": code, "message": message}
+
+
+def client_audio(pcm: np.ndarray) -> bytes:
+    """Client side helper: one ``audio`` frame from int16 samples."""
+    return pack({"type": "audio", "pcm": np.ascontiguousarray(pcm, dtype="<i2").tobytes()})
+
+
+def client_text(text: str) -> bytes:
+    return pack({"type": "text", "text": text})
+
+
+def client_turn_end() -> bytes:
+    return pack({"type": "turn.end"})
+
+
+def unpack(frame: bytes) -> dict:
+    """Client side helper: decode one server frame."""
+    return msgpack.unpackb(frame, raw=False)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install gapless and everything it needs into ./.venv (fresh machine: Python 3.10+, no GPU needed).
+#   TORCH_SPEC   torch requirement to install first (default torch==2.13.0, the CPU build; on a
+#                GPU machine e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
+#   EXTRAS       pip extras of this project (default "dev"; "dev,gpu" adds vLLM)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip=".venv/bin/python -m pip"
+$pip install -q --upgrade pip
+# torch first, so no later requirement pulls a different (multi-GB CUDA) build.
+$pip install -q ${TORCH_SPEC:-torch==2.13.0}
+$pip install -q -e ".[${EXTRAS:-dev}]"
+# moshi without its declared pins (torch<2.10, numpy<2.3, safetensors<0.8, hub<1.0): its Mimi
+# runs on the newer versions installed above, and its runtime needs are our own dependencies.
+$pip install -q --no-deps "moshi==0.2.13"
+.venv/bin/python - <<'PY'
+import moshi.models.loaders, torch, numpy, nemo, ray, transformers  # noqa: F401 - import check
+print(f"installed: torch {torch.__version__}, numpy {numpy.__version__}, ray {ray.__version__}, "
+      f"nemo {nemo.__version__}, transformers {transformers.__version__}")
+PY
