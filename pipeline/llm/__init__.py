@@ -1,0 +1,46 @@
+"""The LLM stage: streaming, cancellable text generation behind one interface.
+
+``make_llm(cfg)`` returns an engine with ``warmup()``, ``stream(messages) -> iterator of text
+deltas`` (``.close()`` cancels) and ``active_requests``:
+
+* ``"transformers"``: :class:`pipeline.llm.engine.LLMEngine` (in-process, static KV cache);
+* ``"openai"``: :class:`pipeline.llm.openai_backend.OpenAIEngine` (any OpenAI-compatible server);
+* ``"vllm"``: needs the optional GPU extra (not implemented in-process yet).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.llm.config import LLMConfig
+from pipeline.llm.engine import approx_token_count, build_prompt
+
+__all__ = ["LLMConfig", "make_llm", "build_prompt", "approx_token_count", "BACKENDS"]
+
+BACKENDS = ("transformers", "openai", "vllm")
+
+
+def make_llm(cfg: LLMConfig) -> Any:
+    """The engine for ``cfg.backend``."""
+    backend = (cfg.backend or "").lower()
+    if backend == "transformers":
+        from pipeline.llm.engine import LLMEngine
+
+        return LLMEngine(cfg)
+    if backend == "openai":
+        from pipeline.llm.openai_backend import OpenAIEngine
+
+        return OpenAIEngine(cfg)
+    if backend == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError(
+                "LLM backend 'vllm' needs the optional GPU extra: `pip install .[gpu]` (vllm is not "
+                "installed). Use backend='transformers', or run a vLLM server and use "
+                "backend='openai' with openai_url pointing at it."
+            ) from exc
+        raise NotImplementedError(
+            "the in-process vLLM backend is not implemented yet; run `vllm serve MODEL` and use "
+            "backend='openai' with openai_url='http://HOST:8000/v1'"
+        )
+    raise ValueError(f"unknown LLM backend {cfg.backend!r}; expected one of {BACKENDS}")

@@ -1,0 +1,73 @@
+"""Settings of the LLM stage: which backend, which model, how to sample, how much context."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful voice assistant. Your replies are spoken aloud, so answer in one to "
+    "three short, plain sentences, without lists, markdown, emoji or code."
+)
+
+
+def _env_api_key() -> str | None:
+    return os.environ.get("OPENAI_API_KEY") or None
+
+
+@dataclass
+class LLMConfig:
+    """Configuration of the LLM stage.
+
+    ``backend``: ``"transformers"`` (in-process, :class:`pipeline.llm.engine.LLMEngine`),
+    ``"openai"`` (any OpenAI-compatible HTTP server) or ``"vllm"`` (optional GPU extra).
+    ``model``: a Hugging Face id / local path, or ``"tiny"`` for a tiny random Llama-family
+    model built in code (tests and CPU smoke runs).
+    """
+
+    backend: str = "transformers"
+    model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    max_new_tokens: int = 128
+    temperature: float = 0.7
+    top_k: int = 50
+    top_p: float = 0.9
+    history_tokens: int = 1024  # token budget of the templated prompt (system + history)
+    max_context_tokens: int = 2048  # static KV cache length (prompt + generated tokens)
+    device: str = "auto"  # "auto" -> cuda when available, else cpu
+    dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
+    seed: int = 0
+    token_delay_s: float = 0.0  # test hook: extra sleep per generated token
+    # OpenAI-compatible backend
+    openai_url: str = "http://127.0.0.1:8000/v1"
+    openai_model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    openai_api_key: str | None = field(default_factory=_env_api_key)
+    openai_timeout_s: float = 30.0
+    # tiny model shape (only used when model == "tiny")
+    tiny_layers: int = 2
+    tiny_hidden: int = 64
+    tiny_heads: int = 4
+    tiny_kv_heads: int = 2
+
+    @classmethod
+    def tiny(cls, **overrides) -> "LLMConfig":
+        """A tiny random Llama model with the tiny tokenizer: CPU-fast, deterministic."""
+        base = cls(
+            backend="transformers",
+            model="tiny",
+            max_new_tokens=24,
+            temperature=0.0,
+            history_tokens=192,
+            max_context_tokens=256,
+            device="cpu",
+            dtype="float32",
+        )
+        return replace(base, **overrides)
+
+    @classmethod
+    def real(cls, **overrides) -> "LLMConfig":
+        """The real default: Qwen2.5-0.5B-Instruct (must be in the local HF cache)."""
+        return replace(cls(), **overrides)
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.model == "tiny"

@@ -1,0 +1,395 @@
+"""LLM stage: tiny transformers engine (streaming, interleaving, cancellation), prompt trimming,
+and the OpenAI-compatible backend against a local fake SSE server."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from pipeline.llm import LLMConfig, build_prompt, make_llm
+from pipeline.llm.engine import LLMEngine, sample_next
+
+torch.set_num_threads(1)
+
+HELLO = [{"role": "user", "content": "Hello, how are you today?"}]
+BOOK = [
+    {"role": "user", "content": "Hi there."},
+    {"role": "assistant", "content": "Hello! What can I do for you?"},
+    {"role": "user", "content": "I would like to book a table for two people tomorrow."},
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    eng = make_llm(LLMConfig.tiny())
+    assert isinstance(eng, LLMEngine)
+    eng.warmup()
+    assert eng.active_requests == 0
+    return eng
+
+
+def _reference(engine: LLMEngine, messages, max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate on the same weights and prompt."""
+    ids = torch.tensor([engine.prompt_ids(messages, max_new_tokens=max_new_tokens)])
+    with torch.inference_mode():
+        out = engine.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(engine.stop_ids),
+            pad_token_id=engine.tokenizer.pad_token_id,
+        )
+    gen = out[0, ids.shape[1]:].tolist()
+    while gen and gen[-1] in engine.stop_ids:  # generate keeps the EOS token; the engine does not
+        gen.pop()
+    return gen
+
+
+# -- 1. greedy streaming equals transformers.generate -------------------------------------------
+
+
+@pytest.mark.parametrize("messages", [HELLO, BOOK])
+def test_stream_matches_greedy_generate(engine: LLMEngine, messages):
+    n = engine.cfg.max_new_tokens
+    stream = engine.stream(messages)
+    assert engine.active_requests == 1
+    deltas = list(stream)
+    assert engine.active_requests == 0
+    assert all(isinstance(d, str) and d for d in deltas)
+    ref = _reference(engine, messages, n)
+    assert stream.generated == ref
+    assert "".join(deltas) == engine.decode(ref)
+    # The tiny random model never says EOS on these prompts, so it must stop at max_new_tokens.
+    assert len(stream.generated) == n
+    assert stream.finish_reason == "length"
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+def test_max_new_tokens_override(engine: LLMEngine):
+    stream = engine.stream(HELLO, max_new_tokens=5)
+    text = "".join(stream)
+    assert len(stream.generated) == 5
+    assert text == engine.decode(_reference(engine, HELLO, 5))
+
+
+def test_incremental_detokenization_multibyte(engine: LLMEngine):
+    """Multi-byte characters split over byte-level tokens come out whole, never as U+FFFD."""
+    text = "héllo, wörld € 日本語 🙂 ok"
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) // 2  # tiny vocab: many characters span several tokens
+    eos = next(iter(engine.stop_ids))
+    script = iter(ids + [eos])
+    stream = engine.stream(HELLO, max_new_tokens=len(ids) + 5)
+    stream._step = lambda: next(script)  # feed a fixed token sequence instead of the model
+    deltas = list(stream)
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert len(deltas) > 3
+    assert stream.finish_reason == "stop"
+    assert engine.active_requests == 0
+
+
+def test_sampling_seeded_and_topk1_is_greedy(engine: LLMEngine):
+    a = "".join(engine.stream(HELLO, temperature=0.9, top_k=40, top_p=0.9, seed=7))
+    b = "".join(engine.stream(HELLO, temperature=0.9, top_k=40, top_p=0.9, seed=7))
+    greedy = "".join(engine.stream(HELLO, temperature=0.0))
+    assert a == b
+    assert "".join(engine.stream(HELLO, temperature=1.0, top_k=1, seed=3)) == greedy
+    # top-p keeps at least one token, and p -> 0 is greedy as well
+    assert "".join(engine.stream(HELLO, temperature=1.0, top_k=0, top_p=1e-9, seed=3)) == greedy
+    logits = torch.tensor([0.0, 5.0, 1.0, 4.9])
+    g = torch.Generator().manual_seed(0)
+    picks = {int(sample_next(logits, 1.0, 2, 1.0, g)) for _ in range(200)}
+    assert picks == {1, 3}
+    assert engine.active_requests == 0
+
+
+def test_local_checkpoint_path_loads_like_a_real_model(tmp_path):
+    """A non-tiny model goes through AutoModelForCausalLM + load_tokenizer (here a random Qwen2)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pipeline.tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    ))
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    eng = make_llm(LLMConfig.real(model=str(tmp_path), device="cpu", max_new_tokens=12, temperature=0.0))
+    assert eng.dtype == torch.float32 and tok.eos_token_id in eng.stop_ids
+    s = eng.stream(HELLO)
+    text = "".join(s)
+    assert s.generated == _reference(eng, HELLO, 12)
+    assert text == eng.decode(s.generated)
+    assert eng.active_requests == 0
+
+
+# -- 2. interleaved streams -----------------------------------------------------------------------
+
+
+def test_interleaved_streams_match_solo(engine: LLMEngine):
+    solo_a = "".join(engine.stream(HELLO))
+    solo_b = "".join(engine.stream(BOOK))
+    assert solo_a != solo_b
+    a, b = engine.stream(HELLO), engine.stream(BOOK)
+    c = engine.stream(HELLO)
+    parts = {id(a): [], id(b): [], id(c): []}
+    live = [a, b, c]
+    assert engine.active_requests == 3
+    while live:  # round-robin, one delta at a time, all on this one thread
+        for s in list(live):
+            try:
+                parts[id(s)].append(next(s))
+            except StopIteration:
+                live.remove(s)
+    assert "".join(parts[id(a)]) == solo_a
+    assert "".join(parts[id(b)]) == solo_b
+    assert "".join(parts[id(c)]) == solo_a
+    assert engine.active_requests == 0
+
+
+# -- 3. cancellation ------------------------------------------------------------------------------
+
+
+def test_close_midway_frees_stream(engine: LLMEngine):
+    full = "".join(engine.stream(HELLO))
+    s = engine.stream(HELLO)
+    other = engine.stream(BOOK)
+    got = next(s) + next(s)
+    assert full.startswith(got)
+    next(other)
+    assert engine.active_requests == 2
+    s.close()
+    assert engine.active_requests == 1
+    assert s.finish_reason == "cancelled"
+    with pytest.raises(StopIteration):
+        next(s)
+    s.close()  # idempotent
+    assert engine.active_requests == 1
+    other.close()
+    assert engine.active_requests == 0
+
+    never_started = engine.stream(HELLO)
+    assert engine.active_requests == 1
+    never_started.close()
+    assert engine.active_requests == 0
+
+    # The freed cache is reused and reset: a new stream still gives the same text.
+    assert "".join(engine.stream(HELLO)) == full
+
+
+def test_slow_token_delay_hook():
+    eng = make_llm(LLMConfig.tiny(max_new_tokens=4, token_delay_s=0.05))
+    t0 = time.perf_counter()
+    s = eng.stream(HELLO)
+    list(s)
+    assert time.perf_counter() - t0 >= 4 * 0.05
+    assert len(s.generated) == 4
+
+
+# -- 4. prompt building ---------------------------------------------------------------------------
+
+
+def _words(messages) -> int:
+    return sum(len(str(m["content"]).split()) for m in messages)
+
+
+def test_build_prompt_trims_oldest_turns():
+    history = []
+    for i in range(6):
+        history.append({"role": "user", "content": f"question {i} " + "w " * 8})  # 10 words
+        history.append({"role": "assistant", "content": f"answer {i} " + "w " * 8})
+    history.append({"role": "user", "content": "last question here"})  # 3 words
+    out = build_prompt(history, "be brief", budget=45, count_tokens=_words)  # system: 2 words
+    assert out[0] == {"role": "system", "content": "be brief"}
+    assert out[-1] == history[-1]
+    assert _words(out) <= 45
+    # oldest turns were removed, the newest kept, in order, starting with a user turn
+    assert out[1:] == history[-len(out) + 1:]
+    assert out[1]["role"] == "user"
+    assert len(out) == 1 + 5  # 2 + 3 + 4 * 10 = 45
+    # a generous budget keeps everything
+    assert build_prompt(history, "be brief", 10_000, count_tokens=_words)[1:] == history
+    # an impossible budget still keeps system + the latest user turn
+    tiny = build_prompt(history, "be brief", 1, count_tokens=_words)
+    assert tiny == [{"role": "system", "content": "be brief"}, history[-1]]
+    # an explicit system message in the history overrides the configured prompt
+    custom = build_prompt([{"role": "system", "content": "custom"}] + history[-1:], "be brief", 100)
+    assert custom == [{"role": "system", "content": "custom"}, history[-1]]
+    # no system prompt at all
+    assert build_prompt(history[-1:], None, 100) == history[-1:]
+
+
+def test_engine_trims_history_to_token_budget(engine: LLMEngine):
+    history = []
+    for i in range(30):
+        history.append({"role": "user", "content": f"Could you tell me the time, please? {i}"})
+        history.append({"role": "assistant", "content": "Sure, it is half past nine in the morning."})
+    history.append({"role": "user", "content": "Thanks a lot!"})
+    ids = engine.prompt_ids(history)
+    assert len(ids) <= engine.cfg.history_tokens
+    text = engine.tokenizer.decode(ids)
+    assert engine.cfg.system_prompt.split(".")[0] in text
+    assert text.rstrip().endswith("Thanks a lot!<|eot_id|><|start_header_id|>assistant<|end_header_id|>")
+    assert "? 0<" not in text and "? 29<" in text
+    # one enormous user turn is cut from the front to fit the context
+    huge = [{"role": "user", "content": "The quick brown fox jumps. " * 200 + "END"}]
+    ids = engine.prompt_ids(huge)
+    assert len(ids) + engine.cfg.max_new_tokens <= engine.cfg.max_context_tokens
+    assert "END" in engine.tokenizer.decode(ids)
+    assert len(list(engine.stream(huge))) > 0
+    assert engine.active_requests == 0
+
+
+# -- factory ----------------------------------------------------------------------------------------
+
+
+def test_factory_backends():
+    with pytest.raises(ValueError, match="unknown LLM backend"):
+        make_llm(LLMConfig(backend="nope"))
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match=r"pip install \.\[gpu\]"):
+            make_llm(LLMConfig(backend="vllm"))
+    cfg = LLMConfig.real(max_new_tokens=7)
+    assert cfg.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.max_new_tokens == 7
+
+
+def test_openai_api_key_from_env(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    assert LLMConfig().openai_api_key == "sk-test"
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert LLMConfig().openai_api_key is None
+
+
+# -- 5. OpenAI-compatible backend -------------------------------------------------------------------
+
+
+class _FakeServer:
+    """An OpenAI-style streaming chat endpoint on 127.0.0.1 (SSE over HTTP/1.0, close-delimited)."""
+
+    def __init__(self, pieces: list[str], delay_s: float = 0.0):
+        self.pieces = pieces
+        self.delay_s = delay_s
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.sent = 0
+        self.disconnected = threading.Event()
+        self.finished = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append(body)
+                fake.headers.append(dict(self.headers))
+                if self.path != "/v1/chat/completions":
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                try:
+                    self.wfile.write(b": keep-alive\n\n")
+                    for i, piece in enumerate(fake.pieces):
+                        chunk = {
+                            "id": "x",
+                            "object": "chat.completion.chunk",
+                            "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}],
+                        }
+                        if i == 0:
+                            chunk["choices"][0]["delta"]["role"] = "assistant"
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        self.wfile.flush()
+                        fake.sent += 1
+                        if fake.delay_s:
+                            time.sleep(fake.delay_s)
+                    end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+                    self.wfile.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
+                    self.wfile.flush()
+                    fake.finished.set()
+                except (BrokenPipeError, ConnectionResetError):
+                    fake.disconnected.set()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_openai_backend_streams_deltas_in_order():
+    pieces = ["Hel", "lo", ", wör", "ld", " — 日本", "!"]
+    with _FakeServer(pieces) as fake:
+        eng = make_llm(LLMConfig(backend="openai", openai_url=fake.url, openai_model="m",
+                                 openai_api_key="k", system_prompt="be brief", max_new_tokens=9))
+        eng.warmup()
+        s = eng.stream(BOOK)
+        assert eng.active_requests == 1
+        deltas = list(s)
+        assert deltas == pieces
+        assert s.finish_reason == "stop"
+        assert eng.active_requests == 0
+        req = fake.requests[0]
+        assert req["stream"] is True and req["model"] == "m" and req["max_tokens"] == 9
+        assert req["messages"][0] == {"role": "system", "content": "be brief"}
+        assert req["messages"][1:] == BOOK
+        assert fake.headers[0]["Authorization"] == "Bearer k"
+
+
+def test_openai_backend_close_early():
+    pieces = [f"w{i} " for i in range(200)]
+    with _FakeServer(pieces, delay_s=0.01) as fake:
+        eng = make_llm(LLMConfig(backend="openai", openai_url=fake.url, openai_api_key=None))
+        s = eng.stream(HELLO)
+        assert [next(s), next(s), next(s)] == pieces[:3]
+        s.close()
+        assert eng.active_requests == 0
+        assert s.finish_reason == "cancelled"
+        with pytest.raises(StopIteration):
+            next(s)
+        # the server notices the dropped connection long before it would have finished
+        assert fake.disconnected.wait(5.0)
+        assert not fake.finished.is_set()
+        assert fake.sent < 100
+        assert "Authorization" not in fake.headers[0]
+
+        # a close from another thread while next() blocks on the socket ends the stream too
+        s2 = eng.stream(HELLO)
+        next(s2)
+        threading.Timer(0.05, s2.close).start()
+        rest = list(s2)
+        assert len(rest) < 100
+        assert eng.active_requests == 0
+
+
+def test_openai_backend_http_error():
+    from pipeline.llm.openai_backend import OpenAIStreamError
+
+    with _FakeServer(["x"]) as fake:
+        eng = make_llm(LLMConfig(backend="openai", openai_url=fake.url.replace("/v1", "/nope")))
+        s = eng.stream(HELLO)
+        with pytest.raises(OpenAIStreamError, match="HTTP 404"):
+            next(s)
+        assert eng.active_requests == 0
