@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -11,6 +12,7 @@ from deployments.gateway import Gateway
 from deployments.llm import LLM
 from deployments.stt import STT
 from deployments.tts import TTS
+from pipeline import metrics
 from pipeline.llm.config import LLMConfig
 from pipeline.session import SessionConfig
 from pipeline.stt.config import STTConfig
@@ -53,4 +55,6 @@ def configs(args: AppArgs) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any]) -> Application:
     cfg = configs(AppArgs(**(args or {})))
+    if os.environ.get(metrics.MULTIPROC_ENV):
+        metrics.prepare_multiproc_dir(os.environ[metrics.MULTIPROC_ENV])
     return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"])

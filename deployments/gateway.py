@@ -7,11 +7,12 @@ from typing import AsyncIterator
 
 import numpy as np
 from fastapi import FastAPI, WebSocket
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.websockets import WebSocketDisconnect
 
+from pipeline import metrics
 from pipeline import protocol as P
 from pipeline.session import NoFreeSlot, Session, SessionConfig
 
@@ -62,6 +63,8 @@ class Gateway:
         self.backends = RayBackends(stt, llm, tts)
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
         self.session_args = dict(session)
+        for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT):
+            metrics.ERRORS.labels(code=code).inc(0)
         self.sessions: dict[str, Session] = {}
 
     @api.get("/healthz")
@@ -74,10 +77,25 @@ class Gateway:
         ok = all(status.values())
         return JSONResponse({"ok": ok, "deployments": status}, status_code=200 if ok else 503)
 
+    @api.get("/metrics")
+    async def metrics(self):
+        """Prometheus scrape target: every deployment process of this node."""
+        return Response(metrics.exposition(), media_type=metrics.CONTENT_TYPE_LATEST)
+
+    def _session_config(self) -> SessionConfig:
+        return SessionConfig(
+            **self.session_args,
+            on_chunk_gap=metrics.AUDIO_CHUNK_GAP.observe,
+            on_first_audio=metrics.TIME_TO_FIRST_AUDIO.observe,
+            on_turn=metrics.TURNS.inc,
+            on_interrupt=metrics.BARGE_INS.inc,
+            on_error=lambda code: metrics.ERRORS.labels(code=code).inc(),
+        )
+
     @api.websocket("/v1/conversation")
     async def conversation(self, ws: WebSocket) -> None:
         await ws.accept()
-        session = Session(ws.send_bytes, self.backends, SessionConfig(**self.session_args))
+        session = Session(ws.send_bytes, self.backends, self._session_config())
         try:
             await session.start()
         except NoFreeSlot as exc:
@@ -85,6 +103,7 @@ class Gateway:
             await ws.close(code=P.CLOSE_TRY_AGAIN_LATER, reason="no free recogniser slot")
             return
         self.sessions[session.id] = session
+        metrics.SESSIONS_ACTIVE.inc()
         try:
             while True:
                 msg = await ws.receive()
@@ -103,4 +122,5 @@ class Gateway:
                 pass
         finally:
             self.sessions.pop(session.id, None)
+            metrics.SESSIONS_ACTIVE.dec()
             await session.close()

@@ -1,9 +1,12 @@
 """LLM deployment: token streams, cancellable mid-reply, stepped on one inference thread."""
 from __future__ import annotations
 
+import time
+
 from ray import serve
 
 from deployments.replica import ModelReplica
+from pipeline import metrics
 from pipeline.llm.config import LLMConfig
 
 
@@ -23,7 +26,12 @@ class LLM(ModelReplica):
 
     async def stream(self, messages: list[dict]):
         """Yield text deltas of the reply to ``messages``; a cancelled call frees its state."""
+        t0 = time.perf_counter()
+        first = True
         async for delta in self.thread.iterate(self.engine.stream, messages):
+            if first:
+                metrics.LLM_TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - t0)
+                first = False
             yield delta
 
     async def stats(self) -> dict:

@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import ray
 
+from pipeline import metrics
+from pipeline.compile_guard import COUNTER
 from pipeline.runtime import InferenceThread, pin_torch_threads, threads_for_cpu_share
 
 log = logging.getLogger("ray.serve")
@@ -31,8 +33,12 @@ class ModelReplica:
         pin_torch_threads(threads)  # the process default, before any torch work
         self.thread = InferenceThread(name, threads)
         t0 = time.perf_counter()
+        compiles = metrics.COMPILES_AFTER_WARMUP.labels(deployment=name)
+        compiles.inc(0)  # exported as 0 from the start
+        COUNTER.install().on_compile_after_warmup(compiles.inc)
         # Load and warm on the thread that will serve: per-thread caches get filled there.
         self.engine = self.thread.call(load)
+        COUNTER.mark_warm()
         log.info("%s ready in %.1f s (%d torch thread(s))", name, time.perf_counter() - t0, threads)
 
     async def ready(self) -> bool:

@@ -5,12 +5,14 @@ by adding apps or GPUs, not replicas, until sessions are routed sticky)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 
 import numpy as np
 from ray import serve
 
 from deployments.replica import ModelReplica
+from pipeline import metrics
 from pipeline.stt.config import STTConfig
 
 
@@ -38,6 +40,7 @@ class STT(ModelReplica):
             await self.thread.run(self.engine.open, sid)
         except NoFreeSlotError as exc:
             return str(exc)
+        metrics.STT_ACTIVE_STREAMS.set(self.engine.active_streams)
         return None
 
     async def push(self, sid: str, pcm: np.ndarray) -> list[dict]:
@@ -51,7 +54,10 @@ class STT(ModelReplica):
         # One step advances every stream with a full chunk; whoever holds the lock steps for all.
         async with self._step_lock:
             while await self.thread.run(self.engine.pending):
-                for ev in await self.thread.run(self.engine.step):
+                t0 = time.perf_counter()
+                events = await self.thread.run(self.engine.step)
+                metrics.STT_STEP.observe(time.perf_counter() - t0)
+                for ev in events:
                     self._outbox[ev.stream_id].append({"kind": ev.kind, "text": ev.text})
 
     async def finish(self, sid: str) -> str:
@@ -61,6 +67,7 @@ class STT(ModelReplica):
     async def close(self, sid: str) -> None:
         self._outbox.pop(sid, None)
         await self.thread.run(self.engine.close, sid)
+        metrics.STT_ACTIVE_STREAMS.set(self.engine.active_streams)
 
     async def stats(self) -> dict:
         return {"active_streams": self.engine.active_streams}

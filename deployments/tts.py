@@ -6,10 +6,12 @@ inference thread one at a time, so a cancelled stream stops within one chunk."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from ray import serve
 
 from deployments.replica import ModelReplica
+from pipeline import metrics
 from pipeline.tts.config import TTSConfig
 
 
@@ -31,8 +33,15 @@ class TTS(ModelReplica):
     async def stream(self, text: str):
         """Yield int16 mono 24 kHz numpy chunks speaking ``text``."""
         async with self._lock:
+            t0 = time.perf_counter()
+            samples = 0
             async for chunk in self.thread.iterate(self.engine.stream, text):
+                if samples == 0:
+                    metrics.TTS_TIME_TO_FIRST_CHUNK.observe(time.perf_counter() - t0)
+                samples += len(chunk)
                 yield chunk
+            if samples:
+                metrics.TTS_REAL_TIME_FACTOR.observe((time.perf_counter() - t0) / (samples / self.engine.sample_rate))
 
     async def stats(self) -> dict:
         return {"active_requests": self.engine.active_requests}

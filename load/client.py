@@ -133,10 +133,15 @@ class Conversation:
         await self.wait_for(lambda m: m["type"] == "response.done" and m["turn"] == turn, timeout)
         return self.turns[turn]
 
-    async def say_text(self, text: str, timeout: float = 120) -> TurnResult:
+    async def send_text_turn(self, text: str) -> int:
+        """Send a typed turn without waiting for its response; returns its turn number."""
         turn = max(self.turns, default=0) + 1
         self.turns[turn] = TurnResult(turn, ended_at=time.monotonic())
         await self.send(P.client_text(text))
+        return turn
+
+    async def say_text(self, text: str, timeout: float = 120) -> TurnResult:
+        turn = await self.send_text_turn(text)
         return await self._finish_turn(turn, timeout)
 
     async def say_audio(self, pcm: np.ndarray, chunk_ms: int = 100, realtime: bool = False, timeout: float = 120) -> TurnResult:

@@ -1,0 +1,177 @@
+"""Gap test: hold a multi-turn conversation and fail if any reply has dead air.
+
+    python -m load.gap_test --turns 10 --max-gap-ms 500 --out out/gap
+
+Turns alternate typed and spoken, each of a different length. Spoken turns come from WAV
+files synthesized with espeak-ng when it is installed (`apt-get install espeak-ng`), else from
+a speech-shaped synthetic signal. Records every gap between consecutive audio chunks of a
+reply and each turn's time to first audio; prints a table and a JSON line, writes a JSON
+report and a PNG timeline (gaps over the limit in red), and exits 1 if any gap exceeds
+``--max-gap-ms`` (2 if the conversation itself failed).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from load.client import Conversation, TurnResult
+from pipeline import protocol as P
+from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample, speech_like
+
+TYPED = [
+    "Hello!",
+    "What time is it, please?",
+    "Tell me a short story about a fox and a crow.",
+    "Thanks, that was nice.",
+    "Could you book a table for two people tomorrow evening at seven?",
+    "Why is the sky blue?",
+    "Okay.",
+    "Please describe the weather in the mountains during a long summer afternoon.",
+]
+SPOKEN = [
+    "Hi there.",
+    "Can you hear me clearly?",
+    "I would like to know how streaming speech recognition works.",
+    "Goodbye for now.",
+    "Let us talk about the history of the printing press and its effect on Europe.",
+    "Yes.",
+    "What is the capital of France?",
+    "Tell me something interesting about octopuses and their eight arms.",
+]
+
+
+def spoken_audio(i: int, text: str) -> tuple[np.ndarray, str]:
+    """16 kHz int16 audio for spoken turn ``i``: espeak-ng if present, else synthetic."""
+    if shutil.which("espeak-ng"):
+        with tempfile.TemporaryDirectory() as tmp:
+            wav = Path(tmp) / "turn.wav"
+            subprocess.run(["espeak-ng", "-s", "160", "-w", str(wav), text], check=True, capture_output=True)
+            pcm, rate = read_wav(str(wav))
+        return float_to_int16(resample(int16_to_float(pcm), rate, P.INPUT_SAMPLE_RATE)), "espeak-ng"
+    return speech_like(0.8 + 0.4 * len(text.split()) / 3, seed=i), "synthetic"
+
+
+async def converse(url: str, turns: int, realtime: bool) -> tuple[list[dict], Conversation]:
+    rows = []
+    async with Conversation(url) as conv:
+        for i in range(turns):
+            if i % 2 == 0:
+                text = TYPED[(i // 2) % len(TYPED)]
+                tr = await conv.say_text(text)
+                kind, seconds = "typed", 0.0
+            else:
+                text = SPOKEN[(i // 2) % len(SPOKEN)]
+                pcm, source = spoken_audio(i, text)
+                tr = await conv.say_audio(pcm, realtime=realtime)
+                kind, seconds = f"spoken ({source})", len(pcm) / P.INPUT_SAMPLE_RATE
+            rows.append(turn_row(tr, kind, seconds))
+    return rows, conv
+
+
+def turn_row(tr: TurnResult, kind: str, input_s: float) -> dict:
+    t0 = tr.ended_at
+    return {
+        "turn": tr.turn,
+        "kind": kind,
+        "input_s": round(input_s, 3),
+        "transcript": tr.final_text,
+        "reply": tr.response_text,
+        "chunks": len(tr.chunks),
+        "audio_s": round(len(tr.audio) / P.OUTPUT_SAMPLE_RATE, 3),
+        "ttfa_s": None if tr.time_to_first_audio is None else round(tr.time_to_first_audio, 4),
+        "gaps_s": [round(g, 4) for g in tr.gaps],
+        "chunk_times_s": [round(t - t0, 4) for t in tr.chunk_times],
+        "chunk_seconds": [round(len(c) / P.OUTPUT_SAMPLE_RATE, 4) for c in tr.chunks],
+        "interrupted": tr.interrupted,
+    }
+
+
+def summarize(rows: list[dict], max_gap_s: float) -> dict:
+    gaps = np.array([g for r in rows for g in r["gaps_s"]] or [0.0])
+    ttfa = np.array([r["ttfa_s"] for r in rows if r["ttfa_s"] is not None] or [np.nan])
+    return {
+        "turns": len(rows),
+        "chunks": int(sum(r["chunks"] for r in rows)),
+        "gap_p50_ms": round(float(np.percentile(gaps, 50)) * 1000, 1),
+        "gap_p99_ms": round(float(np.percentile(gaps, 99)) * 1000, 1),
+        "gap_max_ms": round(float(gaps.max()) * 1000, 1),
+        "gaps_over_limit": int((gaps > max_gap_s).sum()),
+        "ttfa_p50_ms": round(float(np.nanpercentile(ttfa, 50)) * 1000, 1),
+        "ttfa_p95_ms": round(float(np.nanpercentile(ttfa, 95)) * 1000, 1),
+        "turns_without_audio": sum(1 for r in rows if r["chunks"] == 0),
+        "max_gap_ms_limit": max_gap_s * 1000,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'turn':>4} {'kind':<20} {'in s':>5} {'chunks':>6} {'audio s':>7} {'ttfa ms':>8} {'gap p50':>8} {'gap max':>8}")
+    for r in rows:
+        g = r["gaps_s"] or [0.0]
+        ttfa = "-" if r["ttfa_s"] is None else f"{r['ttfa_s'] * 1000:.0f}"
+        print(f"{r['turn']:>4} {r['kind']:<20} {r['input_s']:>5.2f} {r['chunks']:>6} {r['audio_s']:>7.2f} "
+              f"{ttfa:>8} {np.median(g) * 1000:>8.0f} {max(g) * 1000:>8.0f}")
+
+
+def draw_timeline(rows: list[dict], max_gap_s: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 0.5 * len(rows) + 1.5))
+    for r in rows:
+        y = r["turn"]
+        times = r["chunk_times_s"]
+        for t, dur in zip(times, r["chunk_seconds"]):
+            ax.barh(y, dur, left=t, height=0.5, color="tab:blue", alpha=0.6)
+        for a, b in zip(times, times[1:]):
+            if b - a > max_gap_s:
+                ax.plot([a, b], [y, y], color="red", linewidth=3)
+        if r["ttfa_s"] is not None:
+            ax.plot([0, r["ttfa_s"]], [y, y], color="gray", linestyle=":")
+    ax.set_xlabel("seconds since the end of the user turn (bars: audio chunks as sent, length = audio duration)")
+    ax.set_ylabel("turn")
+    ax.set_yticks([r["turn"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_title(f"reply audio timeline; red = gap over {max_gap_s * 1000:.0f} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="ws://127.0.0.1:8000/v1/conversation")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--max-gap-ms", type=float, default=500)
+    ap.add_argument("--realtime", action="store_true", help="send spoken audio at real-time pace")
+    ap.add_argument("--out", default="out/gap", help="prefix of the JSON report and PNG timeline")
+    args = ap.parse_args(argv)
+    max_gap_s = args.max_gap_ms / 1000
+    try:
+        rows, conv = asyncio.run(converse(args.url, args.turns, args.realtime))
+    except Exception as exc:  # noqa: BLE001 - report and fail
+        print(f"conversation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(rows, max_gap_s)
+    summary["errors"] = [e["code"] for e in conv.errors]
+    print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "turns": rows}, indent=1))
+    draw_timeline(rows, max_gap_s, out.with_suffix(".png"))
+    print(json.dumps(summary))
+    failed = summary["gaps_over_limit"] > 0 or summary["errors"] or summary["turns_without_audio"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

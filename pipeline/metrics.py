@@ -1,0 +1,78 @@
+"""The Prometheus metrics of the pipeline (names, buckets, help) and their exposition.
+
+Every deployment process records into ``prometheus_client`` metrics defined here. Under Ray
+Serve all processes of a node share one ``PROMETHEUS_MULTIPROC_DIR`` (set by the app's
+runtime_env), so the gateway's ``GET /metrics`` exposes the sum over every replica of the
+node; outside Ray (tests, benchmarks) the metrics live in the process registry.
+Names are stable: dashboards and alert rules in ``grafana/`` query them.
+"""
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the gateway
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+if os.environ.get(MULTIPROC_ENV):
+    os.makedirs(os.environ[MULTIPROC_ENV], exist_ok=True)
+
+# Buckets that resolve the chunk-gap SLO (500 ms) and time-to-first-audio targets.
+LATENCY_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+AUDIO_CHUNK_GAP = Histogram(
+    "voice_audio_chunk_gap_seconds",
+    "Time between consecutive audio messages of one reply, as the gateway sends them.",
+    buckets=LATENCY_BUCKETS,
+)
+TIME_TO_FIRST_AUDIO = Histogram(
+    "voice_time_to_first_audio_seconds",
+    "End of the user turn to the first audio message of the reply.",
+    buckets=LATENCY_BUCKETS,
+)
+STT_STEP = Histogram("voice_stt_step_seconds", "One batched STT step.", buckets=LATENCY_BUCKETS)
+STT_ACTIVE_STREAMS = Gauge(
+    "voice_stt_active_streams", "Streams holding an STT slot.", multiprocess_mode="livesum"
+)
+LLM_TIME_TO_FIRST_TOKEN = Histogram(
+    "voice_llm_time_to_first_token_seconds", "LLM request to its first text delta.", buckets=LATENCY_BUCKETS
+)
+TTS_TIME_TO_FIRST_CHUNK = Histogram(
+    "voice_tts_time_to_first_chunk_seconds", "TTS request to its first audio chunk.", buckets=LATENCY_BUCKETS
+)
+TTS_REAL_TIME_FACTOR = Histogram(
+    "voice_tts_real_time_factor", "TTS compute time over audio duration, per request.", buckets=RTF_BUCKETS
+)
+COMPILES_AFTER_WARMUP = Counter(
+    "voice_compiles_after_warmup", "Compilations after warm-up (should stay 0).", ["deployment"]
+)
+SESSIONS_ACTIVE = Gauge("voice_sessions_active", "Open WebSocket sessions.", multiprocess_mode="livesum")
+TURNS = Counter("voice_turns", "User turns ended (spoken or typed).")
+BARGE_INS = Counter("voice_barge_ins", "Replies interrupted by a new user turn.")
+ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["code"])
+
+ALL = [
+    AUDIO_CHUNK_GAP, TIME_TO_FIRST_AUDIO, STT_STEP, STT_ACTIVE_STREAMS, LLM_TIME_TO_FIRST_TOKEN,
+    TTS_TIME_TO_FIRST_CHUNK, TTS_REAL_TIME_FACTOR, COMPILES_AFTER_WARMUP, SESSIONS_ACTIVE, TURNS,
+    BARGE_INS, ERRORS,
+]
+
+
+def exposition() -> bytes:
+    """Prometheus text format: every process of this node under Ray, else this process."""
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest()
+
+
+def prepare_multiproc_dir(path: str) -> None:
+    """Empty the shared metrics directory at app start (stale files of dead processes)."""
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name.endswith(".db"):
+            os.remove(os.path.join(path, name))

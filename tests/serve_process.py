@@ -1,0 +1,76 @@
+"""Start and stop the real app (`serve run serve_config.yaml`) for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PORT = 8000
+URL = f"ws://127.0.0.1:{PORT}/v1/conversation"
+
+
+def healthz() -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/healthz", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+class ServeProcess:
+    """``serve run CONFIG`` in its own process group; stopped with SIGTERM (SIGINT hangs)."""
+
+    def __init__(self, config: str = "serve_config.yaml", log_path: str | None = None):
+        self.config = config
+        self.log_path = log_path or str(ROOT / "out" / "serve-test.log")
+        self.proc: subprocess.Popen | None = None
+        self.seen_503 = False
+        self.startup_s: float | None = None
+
+    def start(self, timeout: float = 600) -> None:
+        if healthz() is not None:
+            raise RuntimeError(f"something already answers on port {PORT}; stop it first")
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1")
+        serve = str(Path(sys.executable).parent / "serve")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [serve, "run", self.config], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
+        )
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve run exited with {self.proc.returncode}; see {self.log_path}")
+            status = healthz()
+            if status == 503:
+                self.seen_503 = True
+            if status == 200:
+                self.startup_s = time.monotonic() - t0
+                return
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"app not healthy after {timeout} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"],
+                       capture_output=True, timeout=120)
+        self.proc = None
