@@ -1,0 +1,45 @@
+"""Settings of the streaming TTS engine (CSM frames -> Mimi streaming decode -> int16 PCM)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TTSConfig:
+    """What to load and how to generate.
+
+    ``profile="tiny"`` builds a small CSM and a small Mimi in code with random weights from
+    ``seed`` (no download; same code paths as the real models). ``profile="real"`` loads
+    ``csm`` (transformers-format CSM-1B) and ``mimi`` (Kyutai's Mimi checkpoint) from disk.
+    """
+
+    profile: str = "tiny"  # "tiny" | "real"
+    csm: str = "sesame/csm-1b"
+    mimi: str = "kyutai/moshiko-pytorch-bf16"
+    tokenizer: str | None = None  # real profile: defaults to ``csm`` (CSM ships the Llama-3.2 tokenizer)
+    device: str = "cpu"
+    dtype: str = "float32"  # CSM weights/activations; Mimi always runs in float32
+    max_seq_len: int = 2048  # static KV cache length of the backbone (prompt + generated frames)
+    max_frames: int = 250  # frames per utterance at most (12.5 Hz: 250 frames = 20 s)
+    frames_per_word: float = 6.0  # text-length bound on frames (see TTSEngine.max_frames_for)
+    min_frames: int = 6
+    first_chunk_frames: int = 1  # first audio chunk after this many frames (80 ms)
+    chunk_frames: int = 3  # then one chunk every this many frames
+    temperature: float = 0.9  # <= 0: greedy
+    top_k: int = 50
+    speaker: int = 0
+    seed: int = 0
+
+    @classmethod
+    def tiny(cls, **overrides) -> "TTSConfig":
+        """Small random-weight models: faster than real time on one CPU thread."""
+        base = dict(profile="tiny", max_seq_len=512, max_frames=100, device="cpu", dtype="float32")
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def real(cls, **overrides) -> "TTSConfig":
+        """Sesame CSM-1B + Kyutai Mimi from local checkpoints (a GPU is needed for real time)."""
+        base = dict(profile="real", max_seq_len=2048, max_frames=250, device="cuda", dtype="bfloat16")
+        base.update(overrides)
+        return cls(**base)

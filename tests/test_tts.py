@@ -1,0 +1,212 @@
+"""Streaming TTS engine (tiny profile, CPU): CSM parity with transformers, Mimi streaming, streams."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.tts.config import TTSConfig
+from pipeline.tts.csm import CSM, arch_from_hf_config, load_csm, map_hf_state_dict, tiny_arch
+from pipeline.tts.engine import Segment, TTSEngine
+from pipeline.tts.mimi import FRAME_SIZE, StreamingDecoder, decode_streaming_modules
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return TTSEngine(TTSConfig.tiny(max_frames=40, max_seq_len=256))
+
+
+# -- 1. parity with transformers' CsmForConditionalGeneration ------------------------------------
+def _hf_config(arch):
+    from transformers import CsmConfig
+
+    b, d = arch.backbone, arch.decoder
+    return CsmConfig(
+        num_codebooks=arch.num_codebooks, vocab_size=arch.audio_vocab, text_vocab_size=arch.text_vocab,
+        hidden_size=b.dim, intermediate_size=b.ffn_dim, num_hidden_layers=b.n_layers,
+        num_attention_heads=b.n_heads, num_key_value_heads=b.n_kv_heads, rope_parameters=dict(b.rope),
+        max_position_embeddings=256, pad_token_id=None, bos_token_id=None, audio_token_id=None,
+        audio_eos_token_id=None, codebook_pad_token_id=None,
+        depth_decoder_config=dict(
+            num_codebooks=arch.num_codebooks, backbone_hidden_size=b.dim, vocab_size=arch.audio_vocab,
+            hidden_size=d.dim, intermediate_size=d.ffn_dim, num_hidden_layers=d.n_layers,
+            num_attention_heads=d.n_heads, num_key_value_heads=d.n_kv_heads, rope_parameters=dict(d.rope),
+            max_position_embeddings=arch.num_codebooks + 1,
+        ),
+        codec_config=dict(model_type="mimi", num_hidden_layers=1),
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_model(engine):
+    from transformers import CsmForConditionalGeneration
+
+    torch.manual_seed(0)
+    hf = CsmForConditionalGeneration(_hf_config(tiny_arch(len(engine.tokenizer)))).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # norms start at 1: perturb them so the mapping is tested
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return hf
+
+
+@torch.inference_mode()
+def test_parity_with_transformers(engine, hf_model):
+    hf = hf_model
+    arch = tiny_arch(len(engine.tokenizer))
+    assert arch_from_hf_config(hf.config) == arch
+    ours = CSM(arch).eval()
+    ours.load_state_dict(map_hf_state_dict(hf.state_dict(), arch), strict=True)
+    ours.setup_caches(128)
+
+    rng = np.random.default_rng(0)
+    ctx = Segment(speaker=1, text="Hello there.", codes=rng.integers(0, 2048, (5, 32)))
+    tokens, mask = engine.prompts.build(0, "How are you today?", [ctx], 100)
+    k = arch.num_codebooks
+    rows = []  # transformers' inputs_embeds: text rows via embed_text_tokens, audio rows via the codebook sum
+    for t, m in zip(tokens, mask):
+        if m[k]:
+            rows.append(hf.embed_text_tokens(torch.tensor([t[k]])))
+        else:
+            rows.append(hf.backbone_model.embed_tokens(torch.tensor(t[:k])[None, None])[0])
+    out = hf(inputs_embeds=torch.cat(rows)[None], use_cache=True)
+    h = ours.prefill(torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None])
+    torch.testing.assert_close(ours.c0_logits(h), out.logits[:, -1], atol=1e-4, rtol=1e-4)
+
+    cache, pos = out.cache, len(tokens)
+    for _ in range(2):  # generated frames fed back one position at a time
+        frame = torch.from_numpy(rng.integers(0, 2048, (1, k)))
+        out = hf(input_ids=frame[:, None], cache=cache, use_cache=True)
+        cache = out.cache
+        h = ours.backbone_step(frame, pos)
+        pos += 1
+        torch.testing.assert_close(ours.c0_logits(h), out.logits[:, -1], atol=1e-4, rtol=1e-4)
+
+    # depth decoder, teacher-forced over all 31 codebooks from the same backbone hidden state
+    codes = torch.from_numpy(rng.integers(0, 2048, (1, k)))
+    hf_depth = hf.depth_decoder(input_ids=torch.cat([torch.zeros(1, 1, dtype=torch.long), codes[:, :-1]], 1),
+                                backbone_last_hidden_state=h).logits
+    torch.testing.assert_close(ours.depth_logits(h, codes[:, :-1]), hf_depth, atol=1e-4, rtol=1e-4)
+
+    # the per-step path (static depth cache, one position at a time), greedy, agrees with transformers
+    ours.n_valid = arch.audio_vocab
+    greedy = ours.sample_frame(h, temperature=0.0, top_k=0)
+    assert greedy[0, 0] == hf.lm_head(h).argmax(-1)[0]
+    hf_depth = hf.depth_decoder(input_ids=torch.cat([torch.zeros(1, 1, dtype=torch.long), greedy[:, :-1]], 1),
+                                backbone_last_hidden_state=h).logits
+    assert torch.equal(hf_depth.argmax(-1), greedy[:, 1:])
+
+
+def test_load_csm_reads_a_transformers_checkpoint(hf_model, tmp_path):
+    from safetensors.torch import save_file
+
+    hf_model.config.save_pretrained(tmp_path)
+    sd = {k: v.contiguous() for k, v in hf_model.state_dict().items()
+          if not k.startswith("codec_model.") and k != "depth_decoder.model.embed_tokens.weight"}  # tied copy
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    ours = load_csm(str(tmp_path))
+    ref = map_hf_state_dict(hf_model.state_dict(), ours.arch)
+    assert ours.state_dict().keys() == ref.keys()
+    assert all(torch.equal(ours.state_dict()[k], ref[k]) for k in ref)
+
+
+# -- 2. Mimi streaming decode ------------------------------------------------------------------
+@torch.inference_mode()
+def test_streaming_decode_matches_full_decode(engine):
+    mimi = engine.mimi
+    codes = torch.from_numpy(np.random.default_rng(1).integers(0, 2048, (1, 32, 10)))
+    full = mimi.decode(codes)[0, 0]
+    for _ in range(2):  # the second pass checks that close() left a clean state
+        dec = StreamingDecoder(mimi)
+        parts = [dec.decode(codes[..., :1])] + [dec.decode(codes[..., a : a + 3]) for a in range(1, 10, 3)]
+        dec.close()
+        assert [len(p) for p in parts] == [FRAME_SIZE, 3 * FRAME_SIZE, 3 * FRAME_SIZE, 3 * FRAME_SIZE]
+        torch.testing.assert_close(torch.cat(parts), full, atol=1e-5, rtol=1e-4)
+        assert all(m._streaming_state is None for m in decode_streaming_modules(mimi))
+
+
+# -- 3. stream() ------------------------------------------------------------------------------
+def test_stream_chunks_codes_and_active_requests(engine):
+    cfg = engine.cfg
+    text = "Hello, how are you today?"
+    s = engine.stream(text)
+    assert engine.active_requests == 1
+    chunks = list(s)
+    assert engine.active_requests == 0
+    assert engine.sample_rate == 24000
+    assert all(c.dtype == np.int16 and c.ndim == 1 and c.flags.c_contiguous for c in chunks)
+    assert len(chunks[0]) == cfg.first_chunk_frames * FRAME_SIZE
+    assert all(len(c) == cfg.chunk_frames * FRAME_SIZE for c in chunks[1:-1])
+    assert s.frames == engine.max_frames_for(text) == sum(len(c) for c in chunks) // FRAME_SIZE
+    assert s.codes.shape == (s.frames, 32) and s.codes.dtype == np.int64
+    assert s.codes.min() >= 0 and s.codes.max() < 2048
+    with torch.inference_mode():  # .codes are exactly the frames that produced the audio
+        ref = engine.mimi.decode(torch.from_numpy(s.codes).T[None])[0, 0]
+    ref16 = (ref.clamp(-1, 1) * 32767).round().numpy()
+    assert np.abs(np.concatenate(chunks).astype(np.float64) - ref16).max() <= 4
+
+    # early close: the slot is released, the modules are clean, and generation is reproducible
+    early = engine.stream(text)
+    first = next(early)
+    assert engine.active_requests == 1
+    early.close()
+    assert engine.active_requests == 0 and early.frames == cfg.first_chunk_frames
+    assert list(early) == []
+    assert all(m._streaming_state is None for m in decode_streaming_modules(engine.mimi))
+    assert len(first) == cfg.first_chunk_frames * FRAME_SIZE
+
+    # a new stream preempts one left open
+    a = engine.stream(text)
+    next(a)
+    b = engine.stream("Goodbye.")
+    assert engine.active_requests == 1 and a.closed
+    assert sum(len(c) for c in b) == engine.max_frames_for("Goodbye.") * FRAME_SIZE
+    assert engine.active_requests == 0
+
+
+def test_stream_stops_at_all_zero_frame(engine, monkeypatch):
+    real_step = engine.csm.frame_step
+    calls = {"n": 0}
+
+    def step(*args, **kwargs):
+        codes, h = real_step(*args, **kwargs)
+        calls["n"] += 1
+        return (torch.zeros_like(codes) if calls["n"] == 6 else codes), h
+
+    monkeypatch.setattr(engine.csm, "frame_step", step)
+    s = engine.stream("one two three four five six seven eight")
+    chunks = list(s)
+    assert s.frames == 5 and sum(len(c) for c in chunks) == 5 * FRAME_SIZE
+    assert engine.active_requests == 0
+
+
+# -- 4. context segments -------------------------------------------------------------------------
+def test_generated_codes_pass_through_as_context(engine):
+    s = engine.stream("Nice to meet you.")
+    for _ in s:
+        pass
+    bot = Segment(speaker=0, text="Nice to meet you.", codes=s.codes)
+    user_pcm = (np.sin(np.arange(24000) / 24000 * 2 * np.pi * 220) * 8000).astype(np.int16)
+    user_codes = engine.encode(user_pcm)
+    assert user_codes.shape == (13, 32) and user_codes.dtype == np.int64
+    user = Segment(speaker=1, text="And you too.", codes=user_codes)
+
+    nxt = engine.stream("What can I do for you?", context=[bot, user])
+    k = 32
+    audio_rows = nxt.prompt_mask[:, :k].all(axis=1)
+    start = int(np.flatnonzero(audio_rows)[0])
+    got = nxt.prompt_tokens[start : start + len(bot.codes), :k]
+    np.testing.assert_array_equal(got, bot.codes)  # passed through exactly, not re-encoded
+    assert not nxt.prompt_tokens[start + len(bot.codes), :k].any()  # followed by the end-of-audio frame
+    assert nxt.prompt_mask[:, k].sum() + audio_rows.sum() == len(nxt.prompt_tokens)
+    text_ids, _ = engine.prompts.text_rows(0, "What can I do for you?")
+    np.testing.assert_array_equal(nxt.prompt_tokens[-len(text_ids) :], text_ids)
+    assert len(next(nxt)) == engine.cfg.first_chunk_frames * FRAME_SIZE
+    nxt.close()
+    assert engine.active_requests == 0
+
+    # context that does not fit is dropped oldest-first, whole segments only
+    tokens, _ = engine.prompts.build(0, "Hi.", [bot, user], max_rows=20 + len(user_codes))
+    assert len(tokens) <= 20 + len(user_codes)
