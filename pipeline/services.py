@@ -59,7 +59,7 @@ class STTService:
             await self.thread.run(self.engine.open, sid)
         except NoFreeSlotError as exc:
             return str(exc)
-        metrics.STT_ACTIVE_STREAMS.set(self.engine.active_streams)
+        metrics.STT_ACTIVE_STREAMS.set(len(self.engine.active_streams))
         return None
 
     async def push(self, sid: str, pcm: np.ndarray) -> list[dict]:
@@ -86,10 +86,10 @@ class STTService:
     async def close(self, sid: str) -> None:
         self._outbox.pop(sid, None)
         await self.thread.run(self.engine.close, sid)
-        metrics.STT_ACTIVE_STREAMS.set(self.engine.active_streams)
+        metrics.STT_ACTIVE_STREAMS.set(len(self.engine.active_streams))
 
     def stats(self) -> dict:
-        return {"active_streams": self.engine.active_streams}
+        return {"active_streams": len(self.engine.active_streams)}
 
 
 class LLMService:

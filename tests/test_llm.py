@@ -25,7 +25,7 @@ BOOK = [
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    eng = make_llm(LLMConfig.tiny())
+    eng = make_llm(LLMConfig.tiny(temperature=0.0))  # greedy: comparable with generate()
     assert isinstance(eng, LLMEngine)
     eng.warmup()
     assert eng.active_requests == 0

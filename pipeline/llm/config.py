@@ -55,7 +55,9 @@ class LLMConfig:
             backend="transformers",
             model="tiny",
             max_new_tokens=24,
-            temperature=0.0,
+            # sampled (seeded per stream), so random weights do not repeat one token forever
+            temperature=0.9,
+            top_k=40,
             history_tokens=192,
             max_context_tokens=256,
             device="cpu",

@@ -161,6 +161,24 @@ def _resolve_dtype(dtype: str, device: str) -> "torch.dtype":
     return table[dtype]
 
 
+def _tiny_output_bias(tokenizer) -> Any:
+    import torch
+
+    bias = torch.zeros(len(tokenizer))
+    special = set(tokenizer.all_special_ids)
+    for tid in range(len(tokenizer)):
+        if tid in special:
+            continue
+        piece = tokenizer.decode([tid])
+        if "\ufffd" in piece or not piece.isprintable() or not piece.strip():
+            bias[tid] = -30.0
+        elif piece in (".", ",", "?", "!"):
+            bias[tid] = 4.0
+        elif piece.startswith(" ") and piece[1:].isalpha():
+            bias[tid] = 3.0
+    return bias
+
+
 def build_tiny_model(cfg: LLMConfig, tokenizer) -> Any:
     """A small random ``LlamaForCausalLM`` over the tiny tokenizer (fixed seed -> same weights)."""
     import torch
@@ -183,6 +201,16 @@ def build_tiny_model(cfg: LLMConfig, tokenizer) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = LlamaForCausalLM(mcfg)
+    # Calibration, like the blank bias of the tiny STT joint: random weights pick byte fragments
+    # and almost never a space or a full stop, so a reply would have no words or clauses for the
+    # TTS handoff. A bias on the output layer favours whole-word tokens and clause punctuation and
+    # rules out invalid UTF-8 fragments and control characters. Part of the model, so transformers'
+    # own generate (the reference in tests) sees it too.
+    head = torch.nn.Linear(cfg.tiny_hidden, len(tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.copy_(_tiny_output_bias(tokenizer))
+    model.lm_head = head
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

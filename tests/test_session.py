@@ -1,0 +1,119 @@
+"""The conversation loop on real tiny engines, in-process (no Ray): ordering, clause handoff,
+interruption and clean-up, observed through the protocol messages and the engines' counters."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline import protocol as P
+from pipeline.audio import speech_like
+from pipeline.llm.config import LLMConfig
+from pipeline.services import LLMService, LocalBackends, STTService, TTSService
+from pipeline.session import Session, SessionConfig
+from pipeline.stt.config import STTConfig
+from pipeline.tts.config import TTSConfig
+
+
+@pytest.fixture(scope="module")
+def engines():
+    # A deliberately slow LLM (20 ms per token) so that the reply outlasts its first clause.
+    return LocalBackends.build(STTConfig.tiny(num_slots=4), LLMConfig.tiny(token_delay_s=0.02, max_new_tokens=40),
+                               TTSConfig.tiny())
+
+
+@pytest.fixture
+def backends(engines):
+    """Fresh services (their asyncio locks belong to one event loop) over the loaded engines."""
+    b = engines
+    return LocalBackends(STTService(b.stt.engine, b.stt.thread), LLMService(b.llm.engine, b.llm.thread),
+                         TTSService(b.tts.engine, b.tts.thread))
+
+
+class Recorder:
+    def __init__(self):
+        self.msgs: list[dict] = []
+
+    async def __call__(self, frame: bytes) -> None:
+        self.msgs.append(P.unpack(frame))
+
+    def turn(self, n):
+        return [m for m in self.msgs if m.get("turn") == n]
+
+    async def wait(self, pred, timeout=60):
+        for _ in range(int(timeout / 0.01)):
+            if any(pred(m) for m in self.msgs):
+                return
+            await asyncio.sleep(0.01)
+        raise TimeoutError("message not seen")
+
+
+def test_spoken_and_typed_turns_in_order(backends):
+    async def go():
+        rec = Recorder()
+        s = Session(rec, backends, SessionConfig(pace_lead_s=None))
+        await s.start()
+        pcm = speech_like(2.5, seed=3)
+        for i in range(0, len(pcm), 1600):
+            await s.on_frame(P.client_audio(pcm[i : i + 1600]))
+        await s.on_frame(P.client_turn_end())
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
+        await s.on_frame(P.client_text("How are you?"))
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
+        await s.close()
+        return rec, s
+
+    rec, s = asyncio.run(go())
+    assert rec.msgs[0]["type"] == "session.ready"
+    for n in (1, 2):
+        types = [m["type"] for m in rec.turn(n)]
+        i = types.index("transcript.final")
+        assert set(types[:i]) <= {"transcript.partial"}
+        assert types[-1] == "response.done" and "audio" in types and "response.text" in types
+        # the first audio of the reply goes out before the (slow) LLM has finished the reply
+        assert types.index("audio") < len(types) - 1 - types[::-1].index("response.text")
+        seqs = [m["seq"] for m in rec.turn(n) if m["type"] == "audio"]
+        assert seqs == list(range(len(seqs)))
+    assert [m for m in rec.turn(2) if m["type"] == "transcript.final"][0]["text"] == "How are you?"
+    assert [h["role"] for h in s.history] == ["user", "assistant", "user", "assistant"]
+    assert s.history[1]["content"] == "".join(m["text"] for m in rec.turn(1) if m["type"] == "response.text").strip()
+
+
+def test_interruption_truncates_history_and_stops_audio(backends):
+    async def go():
+        rec = Recorder()
+        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1))  # paced: the reply takes real time
+        await s.start()
+        await s.on_frame(P.client_text("Tell me a long story."))
+        await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+        await s.on_frame(P.client_text("Stop."))
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
+        await s.close()
+        return rec, s
+
+    rec, s = asyncio.run(go())
+    t1 = rec.turn(1)
+    assert t1[-1] == {"type": "response.done", "turn": 1, "interrupted": True}
+    done_at = rec.msgs.index(t1[-1])
+    assert not any(m.get("turn") == 1 for m in rec.msgs[done_at + 1 :])
+    assert rec.msgs.index([m for m in rec.turn(2) if m["type"] == "transcript.final"][0]) > done_at
+    full_reply = "".join(m["text"] for m in t1 if m["type"] == "response.text")
+    said = s.history[1]["content"]
+    assert s.history[1]["role"] == "assistant" and said and len(said) < len(full_reply) + 1
+    assert full_reply.replace(" ", "").startswith(said.replace(" ", ""))
+    assert rec.turn(2)[-1]["interrupted"] is False
+
+
+def test_close_mid_reply_leaves_nothing_running(backends):
+    async def go():
+        rec = Recorder()
+        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1))
+        await s.start()
+        await s.on_frame(P.client_text("Talk for a while, please."))
+        await rec.wait(lambda m: m["type"] == "audio")
+        await s.close()
+        await asyncio.sleep(0.3)  # clean-up of the cancelled streams runs on the inference threads
+        return backends.llm.stats(), backends.tts.stats(), backends.stt.stats()
+
+    llm, tts, stt = asyncio.run(go())
+    assert llm["active_requests"] == 0 and tts["active_requests"] == 0 and stt["active_streams"] == 0
