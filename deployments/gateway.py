@@ -1,6 +1,6 @@
 """Gateway deployment: the WebSocket ingress. Holds the sessions; models live elsewhere."""
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI must see the real WebSocket type
+# through Ray Serve's class-based view, or the WebSocket route rejects every handshake (403).
 import asyncio
 import logging
 from typing import AsyncIterator

@@ -1,0 +1,44 @@
+"""Settings of the streaming speech recogniser."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+# Chunk choices of a cache-aware FastConformer ([left, lookahead] encoder frames of 80 ms):
+# [70,13] = 1.12 s per step, [70,6] = 0.56 s, [70,1] = 0.16 s, [70,0] = 0.08 s.
+LOOKAHEADS = ([70, 13], [70, 6], [70, 1], [70, 0])
+
+
+@dataclass
+class STTConfig:
+    profile: str = "tiny"  # "tiny" (random weights, built in code) | "real" (a pretrained .nemo)
+    model: Optional[str] = None  # HF id or .nemo path (real); None = profile default
+    att_context_size: list[int] = field(default_factory=lambda: [70, 13])
+    num_slots: int = 8
+    endpoint_ms: Optional[int] = 800  # trailing blank run that ends an utterance; None disables
+    device: str = "cpu"
+    compile: bool = False  # torch.compile the encoder layers
+    blank_bias: Optional[float] = None  # added to the blank logit; None = calibrated (tiny) / 0 (real)
+    unrolled_lstm: bool = True  # prediction-net step with torch.lstm_cell instead of nn.LSTM
+    seed: int = 0  # tiny weights
+    cache_dir: Optional[str] = None  # tiny tokenizer; None = ~/.cache/gapless/stt-tiny
+
+    REAL_MODEL = "nvidia/nemotron-speech-streaming-en-0.6b"
+
+    @classmethod
+    def tiny(cls, **kw) -> "STTConfig":
+        return cls(profile="tiny", **kw)
+
+    @classmethod
+    def real(cls, **kw) -> "STTConfig":
+        kw.setdefault("model", cls.REAL_MODEL)
+        return cls(profile="real", **kw)
+
+    def __post_init__(self) -> None:
+        if self.profile not in ("tiny", "real"):
+            raise ValueError(f"STTConfig.profile must be 'tiny' or 'real', got {self.profile!r}")
+        if self.profile == "real" and self.model is None:
+            self.model = self.REAL_MODEL
+        self.att_context_size = [int(x) for x in self.att_context_size]
+        if self.num_slots < 1:
+            raise ValueError("STTConfig.num_slots must be >= 1")

@@ -1,0 +1,109 @@
+"""Batched greedy RNNT decoding with explicit per-slot prediction-network state.
+
+Label looping, frame-synchronous: every iteration each row either emits a label (and stays
+on its frame, at most ``max_symbols`` times) or advances one frame, exactly as NeMo's
+``greedy_batch`` does; so a chunk-by-chunk run with carried state equals one offline pass.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PredictionStep(nn.Module):
+    """One prediction-network step ``(label, h, c) -> (g, h, c)`` for RNNTDecoder's LSTM.
+
+    ``unrolled=True`` runs ``torch.lstm_cell`` layer by layer (no cuDNN/oneDNN RNN setup per
+    call, which dominates at sequence length 1); otherwise the library ``nn.LSTM``.
+    """
+
+    def __init__(self, decoder, unrolled: bool = True):
+        super().__init__()
+        self.embed = decoder.prediction["embed"]
+        rnn = decoder.prediction["dec_rnn"]
+        self.lstm: nn.LSTM = rnn.lstm if hasattr(rnn, "lstm") else rnn
+        plain = (
+            isinstance(self.lstm, nn.LSTM)
+            and not self.lstm.batch_first
+            and not self.lstm.bidirectional
+            and self.lstm.proj_size == 0
+            and self.lstm.bias
+            and type(rnn).__name__ == "LSTMDropout"
+        )
+        self.unrolled = bool(unrolled and plain)
+        self.rnn = rnn
+        self.num_layers = self.lstm.num_layers
+        self.hidden = self.lstm.hidden_size
+
+    def forward(self, labels: torch.Tensor, h: torch.Tensor, c: torch.Tensor):
+        x = self.embed(labels)  # [B, H_in]
+        if self.unrolled:
+            hs, cs = [], []
+            for layer in range(self.num_layers):
+                hl, cl = torch.lstm_cell(
+                    x,
+                    (h[layer], c[layer]),
+                    getattr(self.lstm, f"weight_ih_l{layer}"),
+                    getattr(self.lstm, f"weight_hh_l{layer}"),
+                    getattr(self.lstm, f"bias_ih_l{layer}"),
+                    getattr(self.lstm, f"bias_hh_l{layer}"),
+                )
+                hs.append(hl)
+                cs.append(cl)
+                x = hl
+            return x, torch.stack(hs), torch.stack(cs)
+        g, (h2, c2) = self.rnn(x.unsqueeze(0), (h, c))
+        return g.squeeze(0), h2, c2
+
+
+@torch.inference_mode()
+def greedy_decode_chunk(
+    joint,
+    pred: PredictionStep,
+    blank: int,
+    max_symbols: int,
+    f: torch.Tensor,  # [B, T, Hj] projected encoder output of this chunk
+    f_len: torch.Tensor,  # [B] valid frames
+    g: torch.Tensor,  # [B, Hj] projected prediction output for the last label
+    h: torch.Tensor,  # [L, B, H]
+    c: torch.Tensor,  # [L, B, H]
+    check_every: int = 4,
+):
+    """Decode one chunk; return (labels [B, I] with -1 where nothing was emitted, frame [B, I], g, h, c).
+
+    Runs ``T`` iterations unconditionally (each row needs at least its frame count), then checks
+    for completion only every ``check_every`` iterations, so the host waits on the device rarely.
+    """
+    B, T, _ = f.shape
+    dev = f.device
+    rows = torch.arange(B, device=dev)
+    t = torch.zeros(B, dtype=torch.long, device=dev)
+    sym = torch.zeros(B, dtype=torch.long, device=dev)
+    last_t = max(T - 1, 0)
+    out_labels, out_frames = [], []
+    max_iters = T * (max_symbols + 1)
+    it = 0
+    while it < max_iters:
+        if it >= T and (it - T) % check_every == 0 and not bool((t < f_len).any()):
+            break
+        active = t < f_len
+        ft = f[rows, t.clamp(max=last_t)]  # [B, Hj]
+        logits = joint.joint_after_projection(ft[:, None, :], g[:, None, :])[:, 0, 0, :]
+        k = logits.argmax(dim=-1)
+        emit = active & (k != blank)
+        out_labels.append(torch.where(emit, k, -1))
+        out_frames.append(t)
+        g_new, h_new, c_new = pred(torch.where(emit, k, blank), h, c)
+        g_new = joint.project_prednet(g_new)
+        g = torch.where(emit[:, None], g_new, g)
+        h = torch.where(emit[None, :, None], h_new, h)
+        c = torch.where(emit[None, :, None], c_new, c)
+        sym = torch.where(emit, sym + 1, sym)
+        adv = active & (~emit | (sym >= max_symbols))
+        sym = torch.where(adv, 0, sym)
+        t = t + adv.long()
+        it += 1
+    if not out_labels:
+        empty = torch.empty(B, 0, dtype=torch.long, device=dev)
+        return empty, empty, g, h, c
+    return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, h, c

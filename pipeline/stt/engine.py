@@ -1,0 +1,425 @@
+"""Continuous-batching streaming recogniser on a cache-aware FastConformer RNNT.
+
+Every slot (stream) owns explicit state in batched tensors: the mel pre-encode cache, the
+encoder's attention/convolution caches and the prediction network's LSTM state and output.
+One ``step()`` advances every stream that has a full chunk with one encoder call and one
+batched greedy decode; streams join and leave between steps. Features are computed per chunk
+from the raw audio with two frames of left context, which reproduces the offline mel frames
+(same pre-emphasis, same centred STFT windows), so streaming tokens equal an offline pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pipeline.stt.config import STTConfig
+from pipeline.stt.decoding import PredictionStep, greedy_decode_chunk
+
+_CTX_FRAMES = 2  # mel frames of left audio context per chunk (window 512 > hop 160 * 2 + 1 pre-emphasis sample)
+
+
+class NoFreeSlotError(RuntimeError):
+    """All recogniser slots are taken."""
+
+
+@dataclass
+class STTEvent:
+    stream_id: str
+    kind: str  # "partial" (text = delta) | "endpoint" | "final" (text = whole utterance, after end())
+    text: str = ""
+    tokens: Optional[list[int]] = None  # "final" only
+
+
+class _Stream:
+    """Host-side bookkeeping of one slot (audio not yet consumed, tokens of the utterance)."""
+
+    def __init__(self, stream_id: str, slot: int):
+        self.id = stream_id
+        self.slot = slot
+        self.reset()
+
+    def reset(self) -> None:
+        self.buf = np.zeros(0, np.float32)
+        self.buf_start = 0  # absolute sample index of buf[0]
+        self.total = 0  # samples fed this utterance
+        self.next_frame = 0  # next mel frame to encode
+        self.enc_frames = 0  # encoder frames decoded this utterance
+        self.tokens: list[int] = []
+        self.text = ""
+        self.last_token_frame = -1
+        self.endpointed = False
+        self.ending = False  # end() called: the next step decodes the remainder as the last chunk
+
+
+class STTEngine:
+    sample_rate = 16000
+
+    def __init__(self, model, cfg: STTConfig):
+        self.model = model.eval()
+        self.cfg = cfg
+        enc = model.encoder
+        enc.set_default_att_context_size(list(cfg.att_context_size))
+        sc = enc.streaming_cfg
+        self.enc = enc
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        pp = model.preprocessor.featurizer
+        self.hop = int(pp.hop_length)
+        if getattr(pp, "stft_pad_amount", None) is not None or int(pp.n_fft) // 2 >= self.hop * (_CTX_FRAMES + 1):
+            raise NotImplementedError("chunked features need a centred STFT with n_fft/2 < 3 hops")
+        if str(model.cfg.preprocessor.get("normalize", "NA")).lower() not in ("na", "none"):
+            raise NotImplementedError("cache-aware streaming needs un-normalised features (preprocessor.normalize: NA)")
+        if not isinstance(sc.chunk_size, list) or not isinstance(sc.pre_encode_cache_size, list):
+            raise NotImplementedError("expects a causal-downsampling cache-aware encoder (list-valued chunk sizes)")
+        if getattr(model.joint, "num_extra_outputs", 0):
+            raise NotImplementedError("TDT / multi-output joints are not supported by the greedy RNNT step")
+        self.preprocessor = model.preprocessor
+        self.n_first, self.n_next = sc.chunk_size  # mel frames: first chunk, later chunks
+        self.pre_cache = sc.pre_encode_cache_size[1]
+        self.drop_extra = sc.drop_extra_pre_encoded
+        self.out_len = sc.valid_out_len  # encoder frames per chunk
+        self.frame_ms = enc.subsampling_factor * self.hop * 1000 // self.sample_rate
+        self.blank = model.decoder.blank_idx
+        greedy = model.cfg.decoding.get("greedy", {}) or {}
+        self.max_symbols = int(greedy.get("max_symbols", None) or 10)
+        self.pred = PredictionStep(model.decoder, unrolled=cfg.unrolled_lstm)
+        self.tokenizer = model.tokenizer
+        S = cfg.num_slots
+        self.num_slots = S
+        # --- per-slot device state ---
+        ch, tm, ch_len = enc.get_initial_cache_state(batch_size=S, dtype=self.dtype, device=self.device)
+        self.cache_ch, self.cache_t, self.cache_len = ch, tm, ch_len
+        self.mel_cache = torch.zeros(S, enc._feat_in, self.pre_cache, dtype=self.dtype, device=self.device)
+        L, H = self.pred.num_layers, self.pred.hidden
+        self.h = torch.zeros(L, S, H, dtype=self.dtype, device=self.device)
+        self.c = torch.zeros(L, S, H, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            # start state = after feeding <SOS> (= blank, a zero embedding) to a zero LSTM state, as NeMo does
+            g0, h0, c0 = self.pred(
+                torch.full((1,), self.blank, dtype=torch.long, device=self.device),
+                self.h[:, :1].clone(),
+                self.c[:, :1].clone(),
+            )
+            self.g0 = model.joint.project_prednet(g0)[0]
+            self.h0, self.c0 = h0[:, 0], c0[:, 0]  # [L, H]
+        self.g = self.g0.expand(S, -1).clone()
+        self.h[:] = self.h0[:, None]
+        self.c[:] = self.c0[:, None]
+        # --- host bookkeeping ---
+        self._streams: dict[str, _Stream] = {}
+        self._free = list(range(S))
+        self._idx_cache: dict[tuple, torch.Tensor] = {}
+        self._layers = self._encode_layers
+        if cfg.compile:
+            self._layers = torch.compile(self._encode_layers, dynamic=False)
+
+    @classmethod
+    def from_config(cls, cfg: STTConfig) -> "STTEngine":
+        from pipeline.stt.model import load_model
+
+        return cls(load_model(cfg), cfg)
+
+    # ------------------------------------------------------------------ stream lifecycle
+    @property
+    def active_streams(self) -> list[str]:
+        return list(self._streams)
+
+    def open(self, stream_id: str) -> None:
+        if stream_id in self._streams:
+            raise ValueError(f"STT stream {stream_id!r} is already open")
+        if not self._free:
+            raise NoFreeSlotError(
+                f"all {self.num_slots} STT slots are in use; close a stream or raise STTConfig.num_slots"
+            )
+        slot = self._free.pop(0)
+        self._reset_slots([slot])
+        self._streams[stream_id] = _Stream(stream_id, slot)
+
+    def close(self, stream_id: str) -> None:
+        st = self._streams.pop(stream_id, None)
+        if st is not None:
+            self._free.append(st.slot)
+            self._free.sort()
+
+    def feed(self, stream_id: str, pcm: np.ndarray) -> None:
+        st = self._get(stream_id)
+        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        if pcm.size and st.ending:
+            raise RuntimeError(f"STT stream {stream_id!r} was ended; wait for its final event")
+        if pcm.size:
+            st.buf = np.concatenate([st.buf, pcm])
+            st.total += pcm.size
+
+    def end(self, stream_id: str) -> None:
+        """Mark the utterance complete: a later step() decodes its remainder as the last chunk in the
+        same batch as other streams' chunks and returns a "final" event (the batched ``finish``)."""
+        self._get(stream_id).ending = True
+
+    def pending(self) -> bool:
+        return any(st.ending or self._has_chunk(st) for st in self._streams.values())
+
+    def step(self) -> list[STTEvent]:
+        """Advance every stream with a full chunk (or an ended one) by one chunk, in one batch."""
+        ready, last, done = [], [], []
+        for st in self._streams.values():
+            if self._has_chunk(st):
+                ready.append(st)
+                last.append(False)
+            elif st.ending:
+                done.append(st)
+                if st.total // self.hop > st.next_frame:
+                    ready.append(st)
+                    last.append(True)
+        if ready:
+            self._advance(ready, last)
+        events: list[STTEvent] = []
+        for st in ready:
+            events.extend(self._events(st))
+        if done:
+            self._reset_slots([st.slot for st in done])
+        for st in done:
+            text = self.tokenizer.ids_to_text(st.tokens) if st.tokens else ""
+            events.append(STTEvent(st.id, "final", text, list(st.tokens)))
+            st.reset()
+        return events
+
+    def finish(self, stream_id: str) -> str:
+        """Decode the buffered remainder as the last chunk; return the utterance's final text and reset it."""
+        return self.finish_tokens(stream_id)[0]
+
+    def finish_tokens(self, stream_id: str) -> tuple[str, list[int]]:
+        st = self._get(stream_id)
+        while self._has_chunk(st):
+            self._advance([st], [False])
+        if st.total // self.hop > st.next_frame:
+            self._advance([st], [True])
+        tokens = st.tokens
+        text = self.tokenizer.ids_to_text(tokens) if tokens else ""
+        self._reset_slots([st.slot])
+        st.reset()
+        return text, tokens
+
+    def tokens(self, stream_id: str) -> list[int]:
+        return list(self._get(stream_id).tokens)
+
+    # ------------------------------------------------------------------ offline reference
+    def transcribe_offline_tokens(self, pcm: np.ndarray) -> list[int]:
+        from pipeline.stt.model import offline_tokens
+
+        return offline_tokens(self.model, pcm)
+
+    def transcribe_offline(self, pcm: np.ndarray) -> str:
+        toks = self.transcribe_offline_tokens(pcm)
+        return self.tokenizer.ids_to_text(toks) if toks else ""
+
+    def warmup(self) -> None:
+        """Run every shape the engine steps with (each batch width; first/later/last chunks).
+
+        Call before serving: with ``cfg.compile`` this compiles one graph per batch width, and
+        nothing compiles later. It uses (and then resets) all slots, so no stream may be open.
+        """
+        if self._streams:
+            raise RuntimeError("STTEngine.warmup() must run before any stream is opened")
+        rng = np.random.default_rng(0)
+        need = (self.n_first + self.n_next - 1) * self.hop + 2 * self.hop
+        try:
+            for width in range(1, self.num_slots + 1):
+                ids = [f"__warmup{i}" for i in range(width)]
+                for sid in ids:
+                    self.open(sid)
+                    self.feed(sid, 0.01 * rng.standard_normal(need).astype(np.float32))
+                self.step()  # first chunks
+                self.step()  # later chunks
+                self.finish(ids[0])  # a last chunk
+                for sid in ids:
+                    self.close(sid)
+        finally:
+            self._streams, self._free = {}, list(range(self.num_slots))
+            self._reset_slots(list(range(self.num_slots)))
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, stream_id: str) -> _Stream:
+        try:
+            return self._streams[stream_id]
+        except KeyError:
+            raise KeyError(f"STT stream {stream_id!r} is not open") from None
+
+    def _chunk_frames(self, st: _Stream) -> int:
+        return self.n_first if st.next_frame == 0 else self.n_next
+
+    def _has_chunk(self, st: _Stream) -> bool:
+        n = self._chunk_frames(st)
+        return st.total >= (st.next_frame + n - 1) * self.hop + self._half_window()
+
+    def _half_window(self) -> int:
+        return int(self.preprocessor.featurizer.n_fft) // 2
+
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        key = tuple(slots)
+        idx = self._idx_cache.get(key)
+        if idx is None:
+            idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+            if len(self._idx_cache) < 4096:
+                self._idx_cache[key] = idx
+        return idx
+
+    @torch.inference_mode()
+    def _reset_slots(self, slots: list[int]) -> None:
+        idx = self._index(slots)
+        self.cache_ch[:, idx] = 0
+        self.cache_t[:, idx] = 0
+        self.cache_len[idx] = 0
+        self.mel_cache[idx] = 0
+        self.h[:, idx] = self.h0[:, None]
+        self.c[:, idx] = self.c0[:, None]
+        self.g[idx] = self.g0
+
+    def _segment(self, st: _Stream, last: bool) -> tuple[np.ndarray, int]:
+        """Raw audio of the next chunk with _CTX_FRAMES frames of left context; and its frame count."""
+        ctx = _CTX_FRAMES * self.hop
+        start = st.next_frame * self.hop - ctx
+        if last:
+            n = st.total // self.hop - st.next_frame  # NeMo's valid frame count is samples // hop
+            end = st.total
+        else:
+            n = self._chunk_frames(st)
+            end = (st.next_frame + n - 1) * self.hop + self._half_window()
+        seg = st.buf[max(start, st.buf_start) - st.buf_start : end - st.buf_start]
+        if start < st.buf_start:
+            seg = np.concatenate([np.zeros(st.buf_start - start, np.float32), seg])
+        # consume: keep audio from the next chunk's context start
+        st.next_frame += n
+        keep = max(st.next_frame * self.hop - ctx, 0)
+        if keep > st.buf_start:
+            st.buf = st.buf[keep - st.buf_start :]
+            st.buf_start = keep
+        return seg, n
+
+    @torch.inference_mode()
+    def _advance(self, streams: list[_Stream], last: list[bool]) -> None:
+        dev, dt = self.device, self.dtype
+        first = [st.next_frame == 0 for st in streams]
+        segs, nfr = zip(*(self._segment(st, ls) for st, ls in zip(streams, last)))
+        B = len(streams)
+        # ---- mel features for all chunks in one preprocessor call
+        seg_len = np.array([len(s) for s in segs])
+        audio = np.zeros((B, int(seg_len.max())), np.float32)
+        for b, s in enumerate(segs):
+            audio[b, : len(s)] = s
+        x = torch.from_numpy(audio).to(dev, dt, non_blocking=True)
+        x_len = torch.from_numpy(seg_len).to(dev)
+        feats, _ = self.preprocessor(input_signal=x, length=x_len)
+        span = max(max(nfr), self.n_next)
+        if feats.shape[-1] < _CTX_FRAMES + span:
+            feats = torch.nn.functional.pad(feats, (0, _CTX_FRAMES + span - feats.shape[-1]))
+        new = feats[:, :, _CTX_FRAMES : _CTX_FRAMES + span]  # [B, F, span]
+        n_t = torch.tensor(nfr, dtype=torch.long, device=dev)
+        slots = [st.slot for st in streams]
+        idx = self._index(slots)
+
+        # ---- pre-encode (causal conv subsampling, masked by length): first chunks (no cache,
+        # nothing dropped) and later chunks ([mel cache | chunk], drop the extra frames); fixed widths,
+        # last chunks ride along shorter (their padding is masked out)
+        pre_parts, len_parts, order = [], [], []
+        for is_first in (True, False):
+            rows = [b for b in range(B) if first[b] == is_first]
+            if not rows:
+                continue
+            r = self._index(rows)
+            if is_first:
+                x_g = new.index_select(0, r)[:, :, : self.n_first]
+                o, ol = self.enc.pre_encode(x=x_g.transpose(1, 2), lengths=n_t.index_select(0, r))
+                ol = ol.long()
+            else:
+                x_g = torch.cat(
+                    [self.mel_cache.index_select(0, idx.index_select(0, r)), new.index_select(0, r)[:, :, : self.n_next]],
+                    dim=-1,
+                )
+                o, ol = self.enc.pre_encode(x=x_g.transpose(1, 2), lengths=n_t.index_select(0, r) + self.pre_cache)
+                o, ol = o[:, self.drop_extra :], (ol.long() - self.drop_extra).clamp(min=0)
+            pre_parts.append(o)
+            len_parts.append(ol)
+            order += rows
+        # mel pre-encode cache: shift in the last frames of this chunk (one gather, one scatter)
+        tail_pos = n_t[:, None] + torch.arange(self.pre_cache, device=dev)[None, :]  # in [cache | new] coordinates
+        both = torch.cat([self.mel_cache.index_select(0, idx), new], dim=-1)
+        self.mel_cache.index_copy_(
+            0, idx, torch.gather(both, 2, tail_pos[:, None, :].expand(-1, both.shape[1], -1))
+        )
+        T = max(self.out_len, max(p.shape[1] for p in pre_parts))  # fixed shapes for torch.compile
+        pre = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, T - p.shape[1])) for p in pre_parts], 0)
+        pre_len = torch.cat(len_parts, 0)
+        if order != list(range(B)):  # back to the order of `streams`
+            inv = self._index([order.index(b) for b in range(B)])
+            pre, pre_len = pre.index_select(0, inv), pre_len.index_select(0, inv)
+
+        # ---- encoder layers, one call for the whole batch, on gathered caches
+        enc_out, enc_len, ch, tm, ch_len = self._layers(
+            pre,
+            pre_len,
+            self.cache_ch.index_select(1, idx),
+            self.cache_t.index_select(1, idx),
+            self.cache_len.index_select(0, idx),
+        )
+        self.cache_ch.index_copy_(1, idx, ch)
+        self.cache_t.index_copy_(1, idx, tm)
+        self.cache_len.index_copy_(0, idx, ch_len)
+
+        # ---- greedy RNNT over the chunk with carried per-slot decoder state
+        f = self.model.joint.project_encoder(enc_out.transpose(1, 2))
+        labels, frames, g, h, c = greedy_decode_chunk(
+            self.model.joint,
+            self.pred,
+            self.blank,
+            self.max_symbols,
+            f,
+            enc_len,
+            self.g.index_select(0, idx),
+            self.h.index_select(1, idx),
+            self.c.index_select(1, idx),
+        )
+        self.g.index_copy_(0, idx, g)
+        self.h.index_copy_(1, idx, h)
+        self.c.index_copy_(1, idx, c)
+
+        # ---- the one device->host transfer: emitted labels, their frames, frame counts
+        host = torch.cat([labels, frames, enc_len[:, None]], 1).cpu().numpy()
+        I = labels.shape[1]
+        for b, st in enumerate(streams):
+            lab, fr = host[b, :I], host[b, I : 2 * I]
+            m = lab >= 0
+            if m.any():
+                st.tokens.extend(int(v) for v in lab[m])
+                st.last_token_frame = st.enc_frames + int(fr[m][-1])
+                st.endpointed = False
+            st.enc_frames += int(host[b, 2 * I])
+
+    def _encode_layers(self, pre, pre_len, cache_ch, cache_t, cache_len):
+        out = self.enc.forward_internal(
+            pre,
+            pre_len,
+            cache_last_channel=cache_ch,
+            cache_last_time=cache_t,
+            cache_last_channel_len=cache_len,
+            bypass_pre_encode=True,
+        )
+        return self.enc.streaming_post_process(out, keep_all_outputs=True)
+
+    def _events(self, st: _Stream) -> list[STTEvent]:
+        events = []
+        if st.tokens:
+            text = self.tokenizer.ids_to_text(st.tokens)
+            if text != st.text:
+                delta = text[len(st.text) :] if text.startswith(st.text) else text
+                st.text = text
+                if delta:
+                    events.append(STTEvent(st.id, "partial", delta))
+        ep = self.cfg.endpoint_ms
+        if ep is not None and st.tokens and not st.endpointed:
+            if (st.enc_frames - 1 - st.last_token_frame) * self.frame_ms >= ep:
+                st.endpointed = True
+                events.append(STTEvent(st.id, "endpoint", ""))
+        return events

@@ -1,0 +1,259 @@
+"""Streaming recogniser engine (pipeline/stt) on the tiny random-weight cache-aware FastConformer RNNT."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.stt.config import STTConfig
+from pipeline.stt.engine import NoFreeSlotError, STTEngine
+from pipeline.stt.model import build_tiny_model, offline_tokens, set_blank_bias, speech_like_audio
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = STTConfig.tiny(num_slots=4, cache_dir=str(tmp_path_factory.mktemp("stt_cache")))
+    model = build_tiny_model(cfg)
+    return cfg, model
+
+
+def _engine(tiny, **kw) -> STTEngine:
+    cfg, model = tiny
+    fields = {**cfg.__dict__, **kw}
+    return STTEngine(model, STTConfig(**fields))
+
+
+def _feed_randomly(engine, audios, rng, *, start_step=None, close_after=None, end_ids=(), piece=(200, 9000)):
+    """Feed streams in random-size pieces, one engine step per round; returns {id: tokens} of the final.
+
+    Streams in ``end_ids`` end with ``end()`` (their last chunk rides in a batched step and comes
+    back as a "final" event); the others with a synchronous ``finish()``.
+    """
+    start_step = start_step or {sid: 0 for sid in audios}
+    pos = {sid: 0 for sid in audios}
+    out, events = {}, []
+    for rnd in range(1000):
+        for sid, pcm in audios.items():
+            if sid in out or rnd < start_step[sid]:
+                continue
+            if rnd == start_step[sid]:
+                engine.open(sid)
+            k = int(rng.integers(*piece))
+            engine.feed(sid, pcm[pos[sid] : pos[sid] + k])
+            pos[sid] += k
+        new_events = engine.step()
+        events += new_events
+        for e in new_events:
+            if e.kind == "final":
+                out[e.stream_id] = e.tokens
+                assert e.text == engine.tokenizer.ids_to_text(e.tokens)
+                engine.close(e.stream_id)
+        for sid, pcm in audios.items():
+            if sid not in out and sid in engine.active_streams and pos[sid] >= len(pcm):
+                if sid in end_ids:
+                    if not engine._streams[sid].ending:
+                        engine.end(sid)
+                else:
+                    text, toks = engine.finish_tokens(sid)
+                    out[sid] = toks
+                    engine.close(sid)
+        if close_after and rnd == close_after[0]:
+            engine.close(close_after[1])  # a disconnect mid-utterance
+            out[close_after[1]] = None
+        if len(out) == len(audios):
+            return out, events
+    raise AssertionError("streams did not finish")
+
+
+@pytest.mark.parametrize("att", [[70, 13], [70, 1]])
+def test_streaming_equals_offline(tiny, att):
+    cfg, model = tiny
+    engine = _engine(tiny, att_context_size=att)
+    rng = np.random.default_rng(1)
+    durations = [0.4, 1.13, 2.37, 3.01, 4.55] if att == [70, 13] else [0.3, 1.37, 2.2]
+    audios = {f"s{i}": speech_like_audio(d, seed=10 + i) for i, d in enumerate(durations)}
+    got, events = _feed_randomly(engine, dict(list(audios.items())[:4]), rng, end_ids={"s1", "s2"})
+    if len(audios) > 4:  # the fifth reuses a freed slot
+        more, ev2 = _feed_randomly(engine, dict(list(audios.items())[4:]), rng)
+        got.update(more)
+        events += ev2
+    total = 0
+    for sid, pcm in audios.items():
+        ref = offline_tokens(model, pcm)
+        assert got[sid] == ref, f"{sid}: streaming {got[sid]} != offline {ref}"
+        total += len(ref)
+    assert total > 10  # the calibrated model does emit tokens
+    assert all(e.kind in ("partial", "endpoint", "final") for e in events)
+    assert {e.stream_id for e in events if e.kind == "final"} == {"s1", "s2"}
+    model.encoder.set_default_att_context_size(list(cfg.att_context_size))
+
+
+def test_batch_invariance_join_leave(tiny):
+    rng = np.random.default_rng(2)
+    audios = {f"b{i}": speech_like_audio(d, seed=20 + i) for i, d in enumerate([5.9, 4.7, 6.6, 3.2])}
+    alone = {}
+    for sid, pcm in audios.items():
+        engine = _engine(tiny)
+        got, _ = _feed_randomly(engine, {sid: pcm}, np.random.default_rng(5))
+        alone[sid] = got[sid]
+    engine = _engine(tiny)
+    batches = []
+    advance = engine._advance
+    engine._advance = lambda streams, last: (batches.append((len(streams), sum(last))), advance(streams, last))[1]
+    audios["gone"] = speech_like_audio(5.0, seed=99)
+    together, _ = _feed_randomly(
+        engine,
+        audios,
+        rng,
+        start_step={"b0": 0, "b1": 1, "b2": 2, "b3": 4, "gone": 0},
+        close_after=(2, "gone"),
+        end_ids={"b1", "b3"},
+        piece=(10000, 30000),
+    )
+    for sid in alone:
+        assert together[sid] == alone[sid], sid
+    assert engine.active_streams == []
+    assert max(w for w, _ in batches) >= 3  # really batched
+    assert any(0 < n_last < w for w, n_last in batches)  # a last chunk rode with other streams' chunks
+
+
+def test_partials_concatenate_to_final(tiny):
+    engine = _engine(tiny)
+    pcm = speech_like_audio(3.3, seed=7)
+    engine.open("p")
+    text = ""
+    for i in range(0, len(pcm), 4000):
+        engine.feed("p", pcm[i : i + 4000])
+        while engine.pending():
+            text += "".join(e.text for e in engine.step() if e.kind == "partial")
+    final = engine.finish("p")
+    assert final.startswith(text) and final
+    assert engine.tokens("p") == []  # reset for a new utterance, slot kept
+    assert engine.active_streams == ["p"]
+
+
+def test_slot_exhaustion_and_close(tiny):
+    engine = _engine(tiny, num_slots=2)
+    engine.open("a")
+    engine.open("b")
+    with pytest.raises(NoFreeSlotError, match="2 STT slots"):
+        engine.open("c")
+    engine.feed("a", np.zeros(5000, np.float32))
+    engine.close("a")  # no finish: a disconnect
+    engine.open("c")
+    assert sorted(engine.active_streams) == ["b", "c"]
+    engine.close("zzz")  # closing an unknown stream is harmless
+
+
+def _run_until_endpoint(tiny, endpoint_ms):
+    cfg, model = tiny
+    engine = _engine(tiny, att_context_size=[70, 1], endpoint_ms=endpoint_ms)  # 160 ms chunks
+    pcm = speech_like_audio(8.0, seed=3)
+    engine.open("e")
+    hop = 2 * 8 * 160
+    fed, muted_at_ms, endpoint_at_ms = 0, None, None
+    base = model._gapless_blank_bias
+    try:
+        engine.feed("e", pcm[: 9 * 160 + 256])
+        fed = 9 * 160 + 256
+        while fed < len(pcm):
+            events = engine.step()
+            st = engine._streams["e"]
+            if muted_at_ms is None and st.tokens:
+                set_blank_bias(model, 1e4)  # from here on the model outputs only blanks
+                muted_at_ms = (st.last_token_frame + 1) * 80
+            if any(e.kind == "endpoint" for e in events):
+                endpoint_at_ms = st.enc_frames * 80
+                break
+            engine.feed("e", pcm[fed : fed + hop])
+            fed += hop
+    finally:
+        set_blank_bias(model, base)
+        model.encoder.set_default_att_context_size(list(cfg.att_context_size))
+    assert muted_at_ms is not None
+    return muted_at_ms, endpoint_at_ms
+
+
+def test_endpoint_after_trailing_blanks(tiny):
+    muted, ep = _run_until_endpoint(tiny, 800)
+    assert ep is not None
+    assert 800 <= ep - muted < 800 + 160 + 80, (muted, ep)
+
+
+def test_no_endpoint_when_disabled(tiny):
+    _, ep = _run_until_endpoint(tiny, None)
+    assert ep is None
+
+
+def test_warmup_then_serve(tiny):
+    engine = _engine(tiny, num_slots=2)
+    engine.warmup()
+    assert engine.active_streams == []
+    pcm = speech_like_audio(1.5, seed=4)
+    engine.open("w")
+    engine.feed("w", pcm)
+    assert engine.finish_tokens("w")[1] == offline_tokens(tiny[1], pcm)
+    with pytest.raises(RuntimeError):
+        engine.warmup()
+
+
+def test_missing_real_checkpoint_is_a_clear_error(monkeypatch, tmp_path):
+    from pipeline.stt.model import load_real_model
+    from pipeline.weights import MissingCheckpointError
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("GAPLESS_ALLOW_DOWNLOAD", raising=False)
+    with pytest.raises(MissingCheckpointError, match="STT checkpoint"):
+        load_real_model("gapless-test/no-such-stt-model")
+
+
+def test_real_profile_loads_a_nemo_file(tiny, tmp_path):
+    """The real-profile path (ASRModel.restore_from) on a .nemo saved from the tiny model."""
+    _, model = tiny
+    path = str(tmp_path / "tiny.nemo")
+    model.save_to(path)
+    engine = STTEngine.from_config(STTConfig.real(model=path, num_slots=2))
+    assert engine.model is not model
+    pcm = speech_like_audio(2.5, seed=6)
+    engine.open("r")
+    engine.feed("r", pcm)
+    assert engine.finish_tokens("r")[1] == offline_tokens(model, pcm)
+
+
+@pytest.mark.skipif(os.environ.get("GAPLESS_SLOW_TESTS") != "1", reason="compiles for ~30-60 s; GAPLESS_SLOW_TESTS=1")
+def test_compiled_encoder_no_recompiles(tiny):
+    from torch._dynamo.utils import counters
+
+    engine = _engine(tiny, num_slots=2, compile=True)
+    engine.warmup()
+    graphs = counters["stats"]["unique_graphs"]
+    torch.compiler.set_stance("fail_on_recompile")
+    try:
+        audios = {"c0": speech_like_audio(2.9, seed=1), "c1": speech_like_audio(1.3, seed=2)}
+        got, _ = _feed_randomly(engine, audios, np.random.default_rng(3), end_ids={"c1"}, piece=(8000, 20000))
+    finally:
+        torch.compiler.set_stance("default")
+    assert counters["stats"]["unique_graphs"] == graphs
+    for sid, pcm in audios.items():
+        assert got[sid] == offline_tokens(tiny[1], pcm)
+
+
+def test_unrolled_lstm_matches_library(tiny):
+    from pipeline.stt.decoding import PredictionStep
+
+    _, model = tiny
+    unrolled, library = PredictionStep(model.decoder, True), PredictionStep(model.decoder, False)
+    assert unrolled.unrolled and not library.unrolled
+    g = torch.Generator().manual_seed(0)
+    L, H, B = unrolled.num_layers, unrolled.hidden, 5
+    h, c = torch.randn(L, B, H, generator=g), torch.randn(L, B, H, generator=g)
+    labels = torch.tensor([0, 3, 17, model.decoder.blank_idx, 100])
+    with torch.inference_mode():
+        a, b = unrolled(labels, h, c), library(labels, h, c)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
