@@ -52,8 +52,11 @@ class RayBackends:
     def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]:
         return _remote_stream(self.llm.options(stream=True).stream.remote(messages))
 
-    def tts_stream(self, text: str) -> AsyncIterator[np.ndarray]:
-        return _remote_stream(self.tts.options(stream=True).stream.remote(text))
+    def tts_stream(self, text: str, context: list) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        return _remote_stream(self.tts.options(stream=True).stream.remote(text, context))
+
+    async def tts_encode(self, pcm: np.ndarray) -> np.ndarray:
+        return await self.tts.encode.remote(pcm)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1000)

@@ -14,9 +14,12 @@ class TTS(ModelReplica):
         self.start_engine("tts", lambda: load_tts(cfg))
         self.svc = TTSService(self.engine, self.thread)
 
-    async def stream(self, text: str):
-        async for chunk in self.svc.stream(text):
-            yield chunk
+    async def stream(self, text: str, context: list | None = None):
+        async for item in self.svc.stream(text, context):
+            yield item
+
+    async def encode(self, pcm_16k):
+        return await self.svc.encode(pcm_16k)
 
     async def stats(self) -> dict:
         return self.svc.stats()

@@ -142,8 +142,11 @@ def audio_out(pcm: np.ndarray, turn: int, seq: int) -> dict:
     return {"type": "audio", "pcm": pcm.tobytes(), "turn": turn, "seq": seq}
 
 
-def response_done(turn: int, interrupted: bool) -> dict:
-    return {"type": "response.done", "turn": turn, "interrupted": bool(interrupted)}
+def response_done(turn: int, interrupted: bool, timings: dict[str, float] | None = None) -> dict:
+    msg = {"type": "response.done", "turn": turn, "interrupted": bool(interrupted)}
+    if timings:  # optional extension: where the time to first audio went, ms after transcript.final
+        msg["timings"] = {k: round(v, 1) for k, v in timings.items()}
+    return msg
 
 
 def error(code: str, message: str) -> dict:

@@ -113,24 +113,41 @@ class LLMService:
 class TTSService:
     """Text in, int16 24 kHz chunks out, one stream at a time: Mimi's streaming state lives in
     the module, so streams are serialized (a lock held for a stream's life); chunks are stepped
-    one at a time, so a cancelled stream stops within one chunk."""
+    one at a time, so a cancelled stream stops within one chunk. Stateless across requests: the
+    conversation context comes with each request (the session owns it)."""
 
     def __init__(self, engine, thread: InferenceThread):
         self.engine, self.thread = engine, thread
         self._lock = asyncio.Lock()
 
-    async def stream(self, text: str) -> AsyncIterator[np.ndarray]:
+    def _chunks_with_codes(self, text: str, context: list | None):
+        """Runs on the inference thread: (pcm chunk, codes of the frames that made it)."""
+        stream = self.engine.stream(text, context=context)
+        try:
+            done = 0
+            for pcm in stream:
+                codes = stream.codes
+                yield pcm, np.ascontiguousarray(codes[done:])
+                done = len(codes)
+        finally:
+            stream.close()
+
+    async def stream(self, text: str, context: list | None = None) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
         async with self._lock:
             t0 = time.perf_counter()
             samples = 0
-            async for chunk in self.thread.iterate(self.engine.stream, text):
+            async for pcm, codes in self.thread.iterate(self._chunks_with_codes, text, context):
                 if samples == 0:
                     metrics.TTS_TIME_TO_FIRST_CHUNK.observe(time.perf_counter() - t0)
-                samples += len(chunk)
-                yield chunk
+                samples += len(pcm)
+                yield pcm, codes
             if samples:
                 audio_s = samples / self.engine.sample_rate
                 metrics.TTS_REAL_TIME_FACTOR.observe((time.perf_counter() - t0) / audio_s)
+
+    async def encode(self, pcm_16k: np.ndarray) -> np.ndarray:
+        """A user turn's audio (int16, 16 kHz) to Mimi codes [T, 32], once, for the context."""
+        return await self.thread.run(self.engine.encode_user_audio, pcm_16k)
 
     def stats(self) -> dict:
         return {"active_requests": self.engine.active_requests}
@@ -168,5 +185,8 @@ class LocalBackends:
     def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]:
         return self.llm.stream(messages)
 
-    def tts_stream(self, text: str) -> AsyncIterator[np.ndarray]:
-        return self.tts.stream(text)
+    def tts_stream(self, text: str, context: list) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        return self.tts.stream(text, context)
+
+    async def tts_encode(self, pcm: np.ndarray) -> np.ndarray:
+        return await self.tts.encode(pcm)

@@ -8,9 +8,11 @@ globals: one session's bad frame, error or disconnect touches nothing another ho
 Turn flow: audio frames stream into STT (partials go out as ``transcript.partial``); the
 user turn ends on ``turn.end`` or STT endpointing; its ``transcript.final`` goes out, then
 a reply task streams LLM text (``response.text``), hands it to TTS clause by clause and
-streams the audio (``audio``), ending with ``response.done``. A new user turn while a reply
-is still running interrupts it (``response.done`` with ``interrupted: true``), and the
-history keeps only what was actually said.
+streams the audio (``audio``), paced to a small lead over real time, ending with
+``response.done``. A new user turn, or user speech while a reply plays (barge-in), interrupts
+the reply (``response.done`` with ``interrupted: true``), and the history keeps only what
+was actually said. The TTS gets the conversation so far as CSM context: user turns' audio
+encoded once, bot turns' generated codes, inside a bounded number of segments.
 """
 from __future__ import annotations
 
@@ -25,8 +27,11 @@ import numpy as np
 
 from pipeline import protocol as P
 from pipeline.clauses import ClauseSplitter
+from pipeline.tts.prompt import Segment
 
 log = logging.getLogger(__name__)
+
+USER_SPEAKER = 1
 
 
 class NoFreeSlot(Exception):
@@ -41,7 +46,9 @@ class Backends(Protocol):
     async def stt_finish(self, sid: str) -> str: ...
     async def stt_close(self, sid: str) -> None: ...
     def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]: ...
-    def tts_stream(self, text: str) -> AsyncIterator[np.ndarray]: ...
+    # (int16 24 kHz chunk, Mimi codes [n, 32] of the frames that made it)
+    def tts_stream(self, text: str, context: list[Segment]) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]: ...
+    async def tts_encode(self, pcm: np.ndarray) -> np.ndarray: ...  # int16 16 kHz -> codes [T, 32]
 
 
 @dataclass
@@ -49,6 +56,13 @@ class SessionConfig:
     # Audio may lead real time by at most this much (None: send as fast as it is made).
     pace_lead_s: float | None = 0.3
     clause_max_words: int = 12
+    # Barge-in: user speech while a reply plays interrupts it once the recogniser hears words
+    # (a non-empty partial) in audio louder than the noise floor, after the reply's first moments.
+    barge_in: bool = True
+    barge_in_min_rms: float = 0.01  # of int16 full scale; quieter audio never interrupts
+    barge_in_grace_s: float = 0.5  # no interruption during the reply's first audio (echo)
+    # CSM context: the last N turns with audio (user audio encoded once, bot codes as generated).
+    context_turns: int = 6
     # Observers for metrics (the gateway wires them); called with seconds.
     on_chunk_gap: Callable[[float], None] | None = None
     on_first_audio: Callable[[float], None] | None = None
@@ -62,6 +76,8 @@ class _Reply:
     turn: int
     task: asyncio.Task
     spoken: list[str] = field(default_factory=list)  # clauses whose audio started playing
+    codes: list[np.ndarray] = field(default_factory=list)  # codes of the audio sent
+    first_audio_at: float | None = None
     done_sent: bool = False
 
 
@@ -81,7 +97,11 @@ class Session:
         self.turn = 0  # number of the last user turn that ended
         self.listening = False  # audio of turn ``self.turn + 1`` has arrived and not ended
         self.partial = ""
-        self.history: list[dict] = []
+        self._turn_audio: list[np.ndarray] = []
+        self._turn_loud = False
+        self.history: list[dict] = []  # chat messages for the LLM
+        self.context: list[Segment] = []  # CSM context, oldest first
+        self.timings: dict[int, dict[str, float]] = {}  # per turn, ms after transcript.final
         self.reply: _Reply | None = None
         self._stt_open = False
         self.closed = False
@@ -136,14 +156,30 @@ class Session:
         if not self.listening:
             self.listening = True
             self.partial = ""
+            self._turn_audio = []
+            self._turn_loud = False
+        self._turn_audio.append(pcm)
+        if not self._turn_loud:
+            rms = float(np.sqrt(np.mean(np.square(pcm.astype(np.float32) / 32768.0))))
+            self._turn_loud = rms >= self.cfg.barge_in_min_rms
         events = await self.backends.stt_push(self.id, pcm)
         for ev in events:
             if ev["kind"] == "partial" and ev["text"]:
                 self.partial += ev["text"]
+                if self.partial.strip() and self._should_barge_in():
+                    await self._interrupt(send_done=True)
                 await self.send(P.transcript_partial(self.partial, self.turn + 1))
             elif ev["kind"] == "endpoint":
                 await self._end_turn()
                 break
+
+    def _should_barge_in(self) -> bool:
+        reply = self.reply
+        if not self.cfg.barge_in or reply is None or reply.task.done() or not self._turn_loud:
+            return False
+        if reply.first_audio_at is None:
+            return True  # nothing played yet: the user simply talks on
+        return time.monotonic() - reply.first_audio_at >= self.cfg.barge_in_grace_s
 
     async def _end_turn(self, typed_text: str | None = None) -> None:
         """End the current user turn (spoken or typed) and start its reply."""
@@ -151,18 +187,25 @@ class Session:
         if typed_text is not None and self.listening:
             await self._end_turn()  # spoken audio in flight becomes its own turn first
         await self._interrupt(send_done=True)
+        user_audio = None
         if typed_text is not None:
             text = typed_text
+        elif self.listening:
+            text = await self.backends.stt_finish(self.id)
+            user_audio = np.concatenate(self._turn_audio) if self._turn_audio else None
         else:
-            text = await self.backends.stt_finish(self.id) if self.listening else ""
+            text = ""
         self.listening = False
         self.partial = ""
+        self._turn_audio = []
         self.turn += 1
         turn = self.turn
         await self.send(P.transcript_final(text, turn))
         if self.cfg.on_turn:
             self.cfg.on_turn()
-        task = asyncio.create_task(self._run_reply(turn, text.strip(), ended_at), name=f"reply-{self.id}-{turn}")
+        task = asyncio.create_task(
+            self._run_reply(turn, text.strip(), user_audio, ended_at), name=f"reply-{self.id}-{turn}"
+        )
         self.reply = _Reply(turn, task)
 
     async def _interrupt(self, send_done: bool) -> None:
@@ -176,70 +219,106 @@ class Session:
             pass
         except Exception:  # noqa: BLE001 - the reply already reported its error
             pass
-        said = " ".join(reply.spoken)
-        if self.history and self.history[-1]["role"] == "user":
-            self.history.append({"role": "assistant", "content": said})
+        self._remember_bot_turn(reply, " ".join(reply.spoken))
         if self.cfg.on_interrupt:
             self.cfg.on_interrupt()
         if send_done and not reply.done_sent:
             reply.done_sent = True
             await self.send(P.response_done(reply.turn, interrupted=True))
 
+    def _remember_bot_turn(self, reply: _Reply, said: str) -> None:
+        """History and TTS context keep what was actually said (and its generated codes)."""
+        if self.history and self.history[-1]["role"] == "user":
+            self.history.append({"role": "assistant", "content": said})
+        if reply.codes and said:
+            self._add_context(Segment(0, said, np.concatenate(reply.codes)))
+
+    def _add_context(self, seg: Segment) -> None:
+        self.context.append(seg)
+        del self.context[: -self.cfg.context_turns]
+
     # ------------------------------------------------------------------ reply
-    async def _run_reply(self, turn: int, text: str, ended_at: float) -> None:
+    async def _run_reply(self, turn: int, text: str, user_audio: np.ndarray | None, ended_at: float) -> None:
         reply = self.reply
         assert reply is not None and reply.turn == turn
         if not text:
             reply.done_sent = True
             await self.send(P.response_done(turn, interrupted=False))
             return
+        final_at = time.monotonic()
+        marks = self.timings.setdefault(turn, {})
         self.history.append({"role": "user", "content": text})
+        # The user's audio is encoded once, beside the LLM's first tokens, for the TTS context.
+        encoding = asyncio.create_task(self._encode_user_turn(text, user_audio)) if user_audio is not None else None
         clauses: asyncio.Queue[str | None] = asyncio.Queue()
-        speaker = asyncio.create_task(self._speak(reply, clauses, ended_at))
+        speaker = asyncio.create_task(self._speak(reply, clauses, encoding, ended_at, final_at, marks))
         full = ""
         try:
             splitter = ClauseSplitter(max_words=self.cfg.clause_max_words)
             async for delta in self.backends.llm_stream(list(self.history)):
                 if not delta:
                     continue
+                if not full:
+                    marks["llm_first_token_ms"] = 1000 * (time.monotonic() - final_at)
                 full += delta
                 await self.send(P.response_text(delta, turn))
                 for clause in splitter.push(delta):
+                    marks.setdefault("first_clause_ms", 1000 * (time.monotonic() - final_at))
                     clauses.put_nowait(clause)
             for clause in splitter.flush():
+                marks.setdefault("first_clause_ms", 1000 * (time.monotonic() - final_at))
                 clauses.put_nowait(clause)
             clauses.put_nowait(None)
             await speaker
         except asyncio.CancelledError:
             speaker.cancel()
             await asyncio.gather(speaker, return_exceptions=True)
+            if encoding:
+                encoding.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - a backend fault ends this reply only
             log.exception("session %s turn %d: reply failed", self.id, turn)
             speaker.cancel()
             await asyncio.gather(speaker, return_exceptions=True)
             await self.send_error(P.E_INTERNAL, f"reply to turn {turn} failed: {type(exc).__name__}")
-        self.history.append({"role": "assistant", "content": full.strip()})
+        self._remember_bot_turn(reply, full.strip())
         reply.done_sent = True
-        await self.send(P.response_done(turn, interrupted=False))
+        await self.send(P.response_done(turn, interrupted=False, timings=marks))
 
-    async def _speak(self, reply: _Reply, clauses: asyncio.Queue, ended_at: float) -> None:
+    async def _encode_user_turn(self, text: str, pcm: np.ndarray) -> None:
+        try:
+            codes = await self.backends.tts_encode(pcm)
+        except Exception:  # noqa: BLE001 - context is an improvement, never a failure
+            log.exception("session %s: encoding user audio failed", self.id)
+            return
+        if len(codes):
+            self._add_context(Segment(USER_SPEAKER, text, codes))
+
+    async def _speak(self, reply: _Reply, clauses: asyncio.Queue, encoding: asyncio.Task | None,
+                     ended_at: float, final_at: float, marks: dict) -> None:
         seq = 0
-        first_at = last_at = None
+        last_at = None
         audio_s = 0.0
         while (clause := await clauses.get()) is not None:
+            if encoding is not None:
+                await encoding  # the user's turn joins the context before the first clause
+                encoding = None
+            context = list(self.context)
+            if reply.codes:  # earlier clauses of this reply continue the same voice
+                context.append(Segment(0, " ".join(reply.spoken), np.concatenate(reply.codes)))
             started = False
-            async for pcm in self.backends.tts_stream(clause):
+            async for pcm, codes in self.backends.tts_stream(clause, context):
                 if not started:
                     reply.spoken.append(clause)
                     started = True
                 now = time.monotonic()
-                if first_at is None:
-                    first_at = now
+                if reply.first_audio_at is None:
+                    reply.first_audio_at = now
+                    marks["first_audio_ms"] = 1000 * (now - final_at)
                     if self.cfg.on_first_audio:
                         self.cfg.on_first_audio(now - ended_at)
                 elif self.cfg.pace_lead_s is not None:
-                    ahead = audio_s - (now - first_at)
+                    ahead = audio_s - (now - reply.first_audio_at)
                     if ahead > self.cfg.pace_lead_s:
                         await asyncio.sleep(ahead - self.cfg.pace_lead_s)
                 now = time.monotonic()
@@ -247,5 +326,6 @@ class Session:
                     self.cfg.on_chunk_gap(now - last_at)
                 last_at = now
                 await self.send(P.audio_out(pcm, reply.turn, seq))
+                reply.codes.append(codes)
                 seq += 1
                 audio_s += len(pcm) / P.OUTPUT_SAMPLE_RATE

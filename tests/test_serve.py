@@ -12,17 +12,9 @@ import websockets
 from load.client import Conversation, TurnResult
 from pipeline import protocol as P
 from pipeline.audio import speech_like
-from tests.serve_process import URL, ServeProcess, healthz
+from tests.serve_process import URL, healthz
 
 pytestmark = pytest.mark.timeout(1500)
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc = ServeProcess()
-    proc.start()
-    yield proc
-    proc.stop()
 
 
 def run(coro):

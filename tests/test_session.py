@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from pipeline import protocol as P
@@ -117,3 +118,120 @@ def test_close_mid_reply_leaves_nothing_running(backends):
 
     llm, tts, stt = asyncio.run(go())
     assert llm["active_requests"] == 0 and tts["active_requests"] == 0 and stt["active_streams"] == 0
+
+
+async def _say(s, pcm, frame=1600):
+    for i in range(0, len(pcm), frame):
+        await s.on_frame(P.client_audio(pcm[i : i + frame]))
+
+
+def test_barge_in_by_speech(backends):
+    async def go():
+        rec = Recorder()
+        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1, barge_in_grace_s=0.3))
+        await s.start()
+        await s.on_frame(P.client_text("Tell me a long story."))
+        await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+        await asyncio.sleep(0.4)  # past the grace period
+        await _say(s, speech_like(2.5, seed=11))  # the user talks over the reply
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
+        await s.on_frame(P.client_turn_end())
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
+        await s.close()
+        return rec, s
+
+    rec, s = asyncio.run(go())
+    done1 = [m for m in rec.turn(1) if m["type"] == "response.done"]
+    assert done1 == [{"type": "response.done", "turn": 1, "interrupted": True}]
+    i_done = rec.msgs.index(done1[0])
+    assert not any(m.get("turn") == 1 for m in rec.msgs[i_done + 1 :])  # no audio of turn 1 after
+    partials2 = [rec.msgs.index(m) for m in rec.turn(2) if m["type"] == "transcript.partial"]
+    assert partials2 and partials2[0] > i_done  # interrupted before the new turn's first partial
+    assert rec.turn(2)[-1]["type"] == "response.done" and rec.turn(2)[-1]["interrupted"] is False
+    said = s.history[1]["content"]
+    full = "".join(m["text"] for m in rec.turn(1) if m["type"] == "response.text")
+    assert said and full.replace(" ", "").startswith(said.replace(" ", "")) and len(said) < len(full)
+
+
+def test_quiet_noise_does_not_barge_in(backends):
+    async def go():
+        rec = Recorder()
+        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1, barge_in_grace_s=0.0))
+        await s.start()
+        await s.on_frame(P.client_text("Tell me a long story."))
+        await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+        rng = np.random.default_rng(0)
+        await _say(s, (rng.standard_normal(40000) * 100).astype(np.int16))  # rms ~0.003 of full scale
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
+        await s.close()
+        return rec
+
+    rec = asyncio.run(go())
+    assert rec.turn(1)[-1]["interrupted"] is False
+    assert any(m["type"] == "transcript.partial" for m in rec.turn(2))  # the recogniser did hear "words"
+
+
+class SpyBackends:
+    """Delegates to real backends and records what the TTS was given and what it generated."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[dict] = []
+        self.encoded: list[np.ndarray] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def tts_encode(self, pcm):
+        codes = await self.inner.tts_encode(pcm)
+        self.encoded.append(codes)
+        return codes
+
+    async def tts_stream(self, text, context):
+        call = {"text": text, "context": list(context), "codes": []}
+        self.calls.append(call)
+        async for pcm, codes in self.inner.tts_stream(text, context):
+            call["codes"].append(codes)
+            yield pcm, codes
+
+
+def test_tts_context_holds_earlier_turns(backends):
+    spy = SpyBackends(backends)
+
+    async def go():
+        rec = Recorder()
+        s = Session(rec, spy, SessionConfig(pace_lead_s=None, context_turns=4))
+        await s.start()
+        turn_calls = {}
+        for n, spoken in enumerate([True, False, True, False], start=1):
+            first_call = len(spy.calls)
+            if spoken:
+                await _say(s, speech_like(1.2 + 0.5 * n, seed=n))
+                await s.on_frame(P.client_turn_end())
+            else:
+                await s.on_frame(P.client_text(f"Typed turn number {n}, please answer."))
+            await rec.wait(lambda m, n=n: m["type"] == "response.done" and m["turn"] == n)
+            turn_calls[n] = spy.calls[first_call:]
+        await s.close()
+        return turn_calls
+
+    turn_calls = asyncio.run(go())
+    bot_codes = {n: np.concatenate([c for call in calls for c in call["codes"]]) for n, calls in turn_calls.items()}
+    user1, user3 = spy.encoded
+    ctx4 = turn_calls[4][0]["context"]  # first clause of turn 4
+    # budget of 4 segments: user 1 dropped; bot 1, bot 2, user 3, bot 3 remain, oldest first
+    assert [seg.speaker for seg in ctx4] == [0, 0, 1, 0]
+    np.testing.assert_array_equal(ctx4[0].codes, bot_codes[1])
+    np.testing.assert_array_equal(ctx4[1].codes, bot_codes[2])
+    np.testing.assert_array_equal(ctx4[2].codes, user3)
+    np.testing.assert_array_equal(ctx4[3].codes, bot_codes[3])
+    # turn 2 saw the user's first turn (encoded once) and the bot's first reply
+    ctx2 = turn_calls[2][0]["context"]
+    assert [seg.speaker for seg in ctx2] == [1, 0]
+    np.testing.assert_array_equal(ctx2[0].codes, user1)
+    assert len(spy.encoded) == 2  # typed turns have no audio; nothing generated is re-encoded
+    # later clauses of one reply continue from the earlier clauses' codes
+    for calls in turn_calls.values():
+        for k, call in enumerate(calls[1:], start=1):
+            np.testing.assert_array_equal(call["context"][-1].codes,
+                                          np.concatenate([c for prev in calls[:k] for c in prev["codes"]]))

@@ -1,0 +1,118 @@
+"""Metrics as a user sees them: a real Prometheus scrapes the running app, and every metric the
+dashboard and alert rules query exists in the app's scrape output."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from load.client import Conversation
+from tests.serve_process import PORT, ROOT, URL
+
+PROM_PORT = 9391
+GRAFANA = ROOT / "grafana"
+
+
+def scrape() -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10) as r:
+        assert r.status == 200
+        return r.read().decode()
+
+
+def queried_metric_names() -> set[str]:
+    exprs = [t["expr"] for p in json.loads((GRAFANA / "dashboards" / "gapless.json").read_text())["panels"]
+             for t in p["targets"]]
+    exprs += re.findall(r"expr:\s*(.+)", (GRAFANA / "alert_rules.yml").read_text())
+    return {n for e in exprs for n in re.findall(r"\bvoice_[a-z_]+", e)}
+
+
+def test_every_queried_metric_is_exported(server):
+    asyncio.run(_short_conversation())
+    text = scrape()
+    exported = set(re.findall(r"^(voice_[a-z_]+)(?:\{|\s)", text, flags=re.M))
+    names = queried_metric_names()
+    assert len(names) >= 10
+    missing = sorted(names - exported)
+    assert not missing, f"dashboard/alerts query metrics the app does not export: {missing}"
+    # the compile counter is there for every model deployment, at 0
+    for dep in ("stt", "llm", "tts"):
+        assert re.search(rf'^voice_compiles_after_warmup_total\{{deployment="{dep}"\}} 0\.0$', text, flags=re.M), dep
+
+
+async def _short_conversation():
+    async with Conversation(URL) as conv:
+        await conv.say_text("Hello there, how are you?")
+        await conv.say_text("Tell me something.")
+
+
+def _prom_query(expr: str) -> list:
+    url = f"http://127.0.0.1:{PROM_PORT}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    binary = shutil.which("prometheus")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus is not installed: `bash scripts/install.sh --system` installs it")
+        pytest.skip("prometheus not installed (apt-get install prometheus)")
+    cfg = tmp_path / "prometheus.yml"
+    text = (GRAFANA / "prometheus.yml").read_text().replace("scrape_interval: 5s", "scrape_interval: 1s")
+    cfg.write_text(text)
+    shutil.copy(GRAFANA / "alert_rules.yml", tmp_path / "alert_rules.yml")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{PROM_PORT}"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"),
+    )
+    try:
+        for _ in range(60):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{PROM_PORT}/-/ready", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_prometheus_scrapes_slo_histograms(server, prometheus):
+    asyncio.run(_short_conversation())
+    deadline = time.monotonic() + 90
+    gaps = ttfa = []
+    while time.monotonic() < deadline:
+        gaps = _prom_query("sum(voice_audio_chunk_gap_seconds_count)")
+        ttfa = _prom_query("sum(voice_time_to_first_audio_seconds_count)")
+        if gaps and ttfa and float(gaps[0]["value"][1]) > 0 and float(ttfa[0]["value"][1]) > 0:
+            break
+        time.sleep(1)
+    assert gaps and float(gaps[0]["value"][1]) > 0
+    assert ttfa and float(ttfa[0]["value"][1]) >= 2
+    compiles = _prom_query("voice_compiles_after_warmup_total")
+    assert sorted(r["metric"]["deployment"] for r in compiles) == ["llm", "stt", "tts"]
+    assert all(float(r["value"][1]) == 0 for r in compiles)
+    # the alert rules load and evaluate without error
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PROM_PORT}/api/v1/rules", timeout=10) as r:
+            rules = [rule for g in json.loads(r.read())["data"]["groups"] for rule in g["rules"]]
+        if all(r["health"] == "ok" for r in rules) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert {r["name"] for r in rules} == {"AudioChunkGapOver500ms", "CompilesAfterWarmup", "TimeToFirstAudioP95High"}
+    assert all(r["health"] == "ok" for r in rules), rules
