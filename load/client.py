@@ -80,9 +80,8 @@ class Conversation:
         except websockets.ConnectionClosed:
             pass
         finally:
-            rcv = self.ws.close_rcvd
-            self.closed = (rcv.code, rcv.reason) if rcv else (None, None)
-            await self._inbox.put({"type": "<closed>"})
+            self.closed = (self.ws.close_code, self.ws.close_reason)
+            self._inbox.put_nowait({"type": "<closed>"})
 
     def _record(self, msg: dict, now: float) -> None:
         kind = msg["type"]

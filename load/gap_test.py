@@ -73,6 +73,7 @@ async def converse(url: str, turns: int, realtime: bool) -> tuple[list[dict], Co
                 tr = await conv.say_audio(pcm, realtime=realtime)
                 kind, seconds = f"spoken ({source})", len(pcm) / P.INPUT_SAMPLE_RATE
             rows.append(turn_row(tr, kind, seconds))
+            print(f"turn {tr.turn}: {kind}, {len(tr.chunks)} chunks", file=sys.stderr, flush=True)
     return rows, conv
 
 

@@ -257,3 +257,55 @@ def test_unrolled_lstm_matches_library(tiny):
         a, b = unrolled(labels, h, c), library(labels, h, c)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _split_last(engine):
+    """Make ``engine`` take the old path: last chunks in their own _advance call after the others."""
+    advance = engine._advance
+    calls = []
+
+    def split(streams, last):
+        calls.append((len(streams), sum(last)))
+        body = [(s, ls) for s, ls in zip(streams, last) if not ls]
+        tail = [(s, ls) for s, ls in zip(streams, last) if ls]
+        for part in (body, tail):
+            if part:
+                advance([s for s, _ in part], [ls for _, ls in part])
+
+    engine._advance = split
+    return calls
+
+
+@pytest.mark.parametrize("framing", ["exact", "nemo"])
+def test_mixed_last_batch_equals_split_batch(tiny, framing):
+    """A step whose batch mixes last and non-last chunks gives the same tokens, token for token,
+    as the old path that decodes the last chunks in a step of their own."""
+    audios = {f"m{i}": speech_like_audio(d, seed=40 + i) for i, d in enumerate([1.3, 4.1, 2.6, 5.2])}
+
+    def run(split: bool):
+        engine = _engine(tiny, framing=framing)
+        calls = _split_last(engine) if split else None
+        mixed = []
+        advance = engine._advance
+        engine._advance = lambda s, ls: (mixed.append(0 < sum(ls) < len(ls)), advance(s, ls))[1]
+        out = {}
+        for sid, pcm in audios.items():
+            engine.open(sid)
+            engine.feed(sid, pcm)
+            engine.end(sid)
+        while len(out) < len(audios):
+            for e in engine.step():
+                if e.kind == "final":
+                    out[e.stream_id] = e.tokens
+                    engine.close(e.stream_id)
+        return out, mixed, calls
+
+    together, mixed, _ = run(split=False)
+    apart, _, calls = run(split=True)
+    assert any(mixed), "no step mixed last and non-last chunks"
+    assert any(0 < n_last < n for n, n_last in calls)
+    assert together == apart
+    assert sum(len(t) for t in together.values()) > 10
+    if framing == "exact":
+        for sid, pcm in audios.items():
+            assert together[sid] == offline_tokens(tiny[1], pcm), sid

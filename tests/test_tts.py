@@ -182,7 +182,34 @@ def test_stream_stops_at_all_zero_frame(engine, monkeypatch):
     assert engine.active_requests == 0
 
 
-# -- 4. context segments -------------------------------------------------------------------------
+# -- 4. prompt buckets ---------------------------------------------------------------------------
+@torch.inference_mode()
+def test_bucketed_prefill_equals_unpadded(engine):
+    """Padding a prompt at the end to its bucket changes nothing: same hidden state, same frames."""
+    rng = np.random.default_rng(3)
+    ctx = [Segment(1, "Hi.", rng.integers(0, 2048, (7, 32)))]
+    tokens, mask = engine.build_prompt("How are you?", ctx)
+    assert engine.bucket_for(len(tokens)) > len(tokens)  # really padded
+    csm = engine.csm
+
+    def greedy_frames(h, n=3):
+        out, codes = [], None
+        for i in range(n):
+            codes, h = csm.frame_step(h, codes, len(tokens) + i - 1, 0.0, 0)
+            out.append(codes)
+        return torch.cat(out), h
+
+    h_pad = engine.prefill(tokens, mask)
+    frames_pad, last_pad = greedy_frames(h_pad)
+    h_ref = csm.prefill(torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None])
+    frames_ref, last_ref = greedy_frames(h_ref)
+    torch.testing.assert_close(h_pad, h_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(last_pad, last_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(frames_pad, frames_ref)
+    assert engine.prefill_buckets[-1] == engine.cfg.max_seq_len
+
+
+# -- 5. context segments -------------------------------------------------------------------------
 def test_generated_codes_pass_through_as_context(engine):
     s = engine.stream("Nice to meet you.")
     for _ in s:

@@ -20,6 +20,10 @@ class STTConfig:
     compile: bool = False  # torch.compile the encoder layers
     blank_bias: Optional[float] = None  # added to the blank logit; None = calibrated (tiny) / 0 (real)
     unrolled_lstm: bool = True  # prediction-net step with torch.lstm_cell instead of nn.LSTM
+    # "exact": features and first chunk as an offline pass (tokens equal offline_tokens);
+    # "nemo": chunking of NeMo's CacheAwareRNNTPipeline (1-hop audio look-back per chunk, every chunk
+    # full-size after a silent mel pre-encode cache) - same tokens as that pipeline (benchmarks)
+    framing: str = "exact"
     seed: int = 0  # tiny weights
     cache_dir: Optional[str] = None  # tiny tokenizer; None = ~/.cache/gapless/stt-tiny
 
@@ -39,6 +43,8 @@ class STTConfig:
             raise ValueError(f"STTConfig.profile must be 'tiny' or 'real', got {self.profile!r}")
         if self.profile == "real" and self.model is None:
             self.model = self.REAL_MODEL
+        if self.framing not in ("exact", "nemo"):
+            raise ValueError(f"STTConfig.framing must be 'exact' or 'nemo', got {self.framing!r}")
         self.att_context_size = [int(x) for x in self.att_context_size]
         if self.num_slots < 1:
             raise ValueError("STTConfig.num_slots must be >= 1")

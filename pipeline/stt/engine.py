@@ -78,6 +78,14 @@ class STTEngine:
             raise NotImplementedError("TDT / multi-output joints are not supported by the greedy RNNT step")
         self.preprocessor = model.preprocessor
         self.n_first, self.n_next = sc.chunk_size  # mel frames: first chunk, later chunks
+        self.nemo_framing = cfg.framing == "nemo"
+        self._ctx = 1 if self.nemo_framing else _CTX_FRAMES  # mel frames of left audio context per chunk
+        self._mel_zero = 0.0
+        if self.nemo_framing:  # NeMo's pipeline: every chunk full-size, after a pre-encode cache of silence
+            from nemo.collections.asr.inference.utils.constants import LOG_MEL_ZERO
+
+            self.n_first = self.n_next
+            self._mel_zero = float(LOG_MEL_ZERO)
         self.pre_cache = sc.pre_encode_cache_size[1]
         self.drop_extra = sc.drop_extra_pre_encoded
         self.out_len = sc.valid_out_len  # encoder frames per chunk
@@ -92,7 +100,9 @@ class STTEngine:
         # --- per-slot device state ---
         ch, tm, ch_len = enc.get_initial_cache_state(batch_size=S, dtype=self.dtype, device=self.device)
         self.cache_ch, self.cache_t, self.cache_len = ch, tm, ch_len
-        self.mel_cache = torch.zeros(S, enc._feat_in, self.pre_cache, dtype=self.dtype, device=self.device)
+        self.mel_cache = torch.full(
+            (S, enc._feat_in, self.pre_cache), self._mel_zero, dtype=self.dtype, device=self.device
+        )
         L, H = self.pred.num_layers, self.pred.hidden
         self.h = torch.zeros(L, S, H, dtype=self.dtype, device=self.device)
         self.c = torch.zeros(L, S, H, dtype=self.dtype, device=self.device)
@@ -170,7 +180,7 @@ class STTEngine:
                 last.append(False)
             elif st.ending:
                 done.append(st)
-                if st.total // self.hop > st.next_frame:
+                if self._has_tail(st):
                     ready.append(st)
                     last.append(True)
         if ready:
@@ -194,7 +204,7 @@ class STTEngine:
         st = self._get(stream_id)
         while self._has_chunk(st):
             self._advance([st], [False])
-        if st.total // self.hop > st.next_frame:
+        if self._has_tail(st):
             self._advance([st], [True])
         tokens = st.tokens
         text = self.tokenizer.ids_to_text(tokens) if tokens else ""
@@ -252,7 +262,13 @@ class STTEngine:
 
     def _has_chunk(self, st: _Stream) -> bool:
         n = self._chunk_frames(st)
+        if self.nemo_framing:
+            return st.total >= (st.next_frame + n) * self.hop
         return st.total >= (st.next_frame + n - 1) * self.hop + self._half_window()
+
+    def _has_tail(self, st: _Stream) -> bool:
+        """Audio left for a last (short) chunk: at least one mel frame (NeMo's count is samples // hop)."""
+        return st.total // self.hop > st.next_frame
 
     def _half_window(self) -> int:
         return int(self.preprocessor.featurizer.n_fft) // 2
@@ -272,16 +288,19 @@ class STTEngine:
         self.cache_ch[:, idx] = 0
         self.cache_t[:, idx] = 0
         self.cache_len[idx] = 0
-        self.mel_cache[idx] = 0
+        self.mel_cache[idx] = self._mel_zero
         self.h[:, idx] = self.h0[:, None]
         self.c[:, idx] = self.c0[:, None]
         self.g[idx] = self.g0
 
     def _segment(self, st: _Stream, last: bool) -> tuple[np.ndarray, int]:
         """Raw audio of the next chunk with _CTX_FRAMES frames of left context; and its frame count."""
-        ctx = _CTX_FRAMES * self.hop
+        ctx = self._ctx * self.hop
         start = st.next_frame * self.hop - ctx
-        if last:
+        if self.nemo_framing:  # [chunk start - 1 hop, chunk end): NeMo's BatchedCacheFeatureBufferer
+            end = min(st.total, (st.next_frame + self.n_next) * self.hop)
+            n = min((end - st.next_frame * self.hop) // self.hop, self.n_next) if last else self.n_next
+        elif last:
             n = st.total // self.hop - st.next_frame  # NeMo's valid frame count is samples // hop
             end = st.total
         else:
@@ -301,21 +320,24 @@ class STTEngine:
     @torch.inference_mode()
     def _advance(self, streams: list[_Stream], last: list[bool]) -> None:
         dev, dt = self.device, self.dtype
-        first = [st.next_frame == 0 for st in streams]
+        first = [st.next_frame == 0 and not self.nemo_framing for st in streams]
         segs, nfr = zip(*(self._segment(st, ls) for st, ls in zip(streams, last)))
         B = len(streams)
         # ---- mel features for all chunks in one preprocessor call
         seg_len = np.array([len(s) for s in segs])
-        audio = np.zeros((B, int(seg_len.max())), np.float32)
+        width = int(seg_len.max())
+        if self.nemo_framing:  # NeMo zero-pads every frame to the full chunk
+            width = (self._ctx + self.n_next) * self.hop
+        audio = np.zeros((B, width), np.float32)
         for b, s in enumerate(segs):
             audio[b, : len(s)] = s
         x = torch.from_numpy(audio).to(dev, dt, non_blocking=True)
         x_len = torch.from_numpy(seg_len).to(dev)
         feats, _ = self.preprocessor(input_signal=x, length=x_len)
         span = max(max(nfr), self.n_next)
-        if feats.shape[-1] < _CTX_FRAMES + span:
-            feats = torch.nn.functional.pad(feats, (0, _CTX_FRAMES + span - feats.shape[-1]))
-        new = feats[:, :, _CTX_FRAMES : _CTX_FRAMES + span]  # [B, F, span]
+        if feats.shape[-1] < self._ctx + span:
+            feats = torch.nn.functional.pad(feats, (0, self._ctx + span - feats.shape[-1]))
+        new = feats[:, :, self._ctx : self._ctx + span]  # [B, F, span]
         n_t = torch.tensor(nfr, dtype=torch.long, device=dev)
         slots = [st.slot for st in streams]
         idx = self._index(slots)

@@ -284,3 +284,83 @@ def load_model(cfg: STTConfig):
     if cfg.blank_bias:
         set_blank_bias(model, cfg.blank_bias)
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Bigger random-weight shapes (benchmarks): the 114 M "FastConformer large streaming" and the
+# 617 M nemotron-speech-streaming-0.6b shape. Same construction and calibration as the tiny model.
+MODEL_SHAPES = {
+    "tiny": dict(n_layers=2, d_model=64, n_heads=4, ff=2, sub_ch=64, features=80, pred=64, pred_layers=2,
+                 joint=64, vocab=128, max_symbols=2),
+    "large": dict(n_layers=17, d_model=512, n_heads=8, ff=4, sub_ch=256, features=80, pred=640, pred_layers=1,
+                  joint=640, vocab=1024, max_symbols=10),
+    "full": dict(n_layers=24, d_model=1024, n_heads=8, ff=4, sub_ch=256, features=128, pred=640, pred_layers=2,
+                 joint=640, vocab=1024, max_symbols=10),
+}
+
+
+def shaped_model_config(tokenizer_dir: str, shape: str):
+    """The tiny config with the layer sizes of ``MODEL_SHAPES[shape]``."""
+    s = MODEL_SHAPES[shape]
+    cfg = tiny_model_config(tokenizer_dir, d_model=s["d_model"], n_layers=s["n_layers"], max_symbols=s["max_symbols"])
+    cfg.model_defaults.pred_hidden = s["pred"]
+    cfg.model_defaults.joint_hidden = s["joint"]
+    cfg.preprocessor.features = s["features"]
+    cfg.encoder.feat_in = s["features"]
+    cfg.encoder.n_heads = s["n_heads"]
+    cfg.encoder.ff_expansion_factor = s["ff"]
+    cfg.encoder.subsampling_conv_channels = s["sub_ch"]
+    cfg.decoder.prednet.pred_hidden = s["pred"]
+    cfg.decoder.prednet.pred_rnn_layers = s["pred_layers"]
+    cfg.joint.jointnet.joint_hidden = s["joint"]
+    return cfg
+
+
+@torch.inference_mode()
+def calibrate_blank_bias_cached(model, target_rate: float = 0.3, seconds: float = 20.0) -> tuple[float, float]:
+    """``calibrate_blank_bias`` with the encoder run once (the bias only changes the decoding): for big shapes."""
+    pcm = speech_like_audio(seconds, seed=1234)
+    frames = encoder_frames(len(pcm))
+    dev = next(model.parameters()).device
+    x = torch.as_tensor(pcm, device=dev)[None]
+    feats, feat_len = model.preprocessor(input_signal=x, length=torch.tensor([x.shape[1]], device=dev))
+    enc, enc_len = model.encoder(audio_signal=feats, length=feat_len)
+    lo, hi = -5.0, 30.0
+    best = (float("inf"), 0.0, 0.0)
+    for _ in range(20):
+        mid = 0.5 * (lo + hi)
+        set_blank_bias(model, mid)
+        hyps = model.decoding.rnnt_decoder_predictions_tensor(
+            encoder_output=enc, encoded_lengths=enc_len, return_hypotheses=True
+        )
+        rate = len(hyps[0].y_sequence) / frames
+        best = min(best, (abs(rate - target_rate), mid, rate))
+        if rate > target_rate:
+            lo = mid
+        else:
+            hi = mid
+    _, bias, rate = best
+    set_blank_bias(model, bias)
+    return bias, rate
+
+
+def build_shaped_model(shape: str, cfg: STTConfig):
+    """A random-weight EncDecRNNTBPEModel of ``MODEL_SHAPES[shape]``, conditioned and calibrated to
+    ~0.3 tokens per encoder frame like the tiny model (``cfg`` gives device, seed, lookahead, cache dir)."""
+    if shape == "tiny":
+        return build_tiny_model(cfg)
+    _silence_nemo()
+    from nemo.collections.asr.models import EncDecRNNTBPEModel
+
+    tok_dir = tiny_tokenizer_dir(cfg.cache_dir, vocab_size=MODEL_SHAPES[shape]["vocab"])
+    torch.manual_seed(cfg.seed)
+    model = EncDecRNNTBPEModel(cfg=shaped_model_config(tok_dir, shape), trainer=None)
+    model = model.to(cfg.device).eval()
+    model.encoder.set_default_att_context_size(list(cfg.att_context_size))
+    condition_random_joint(model)
+    if cfg.blank_bias is None:
+        bias, rate = calibrate_blank_bias_cached(model)
+        model._gapless_calibration = {"blank_bias": bias, "tokens_per_frame": rate}
+    else:
+        set_blank_bias(model, cfg.blank_bias)
+    return model

@@ -13,7 +13,7 @@ class TTSConfig:
     ``csm`` (transformers-format CSM-1B) and ``mimi`` (Kyutai's Mimi checkpoint) from disk.
     """
 
-    profile: str = "tiny"  # "tiny" | "real"
+    profile: str = "tiny"  # "tiny" | "real" | "full" (CSM-1B + Mimi shapes, random weights)
     csm: str = "sesame/csm-1b"
     mimi: str = "kyutai/moshiko-pytorch-bf16"
     tokenizer: str | None = None  # real profile: defaults to ``csm`` (CSM ships the Llama-3.2 tokenizer)
@@ -29,11 +29,37 @@ class TTSConfig:
     top_k: int = 50
     speaker: int = 0
     seed: int = 0
+    # -- stall-free serving (see docs/stall.md) -------------------------------------------------
+    # torch.compile the per-frame step (static KV cache, position as a tensor), every prefill
+    # bucket and every Mimi encode bucket. warmup() then runs each of these shapes once.
+    compile: bool = False
+    compile_backend: str = "inductor"  # "aot_eager"/"eager" trace and guard the same way, without codegen
+    compile_mode: str | None = None  # None: "reduce-overhead" (CUDA graphs) on CUDA, inductor's default on CPU
+    # Prompt lengths are padded (at the end, causally masked) up to one of these row counts; the
+    # largest is capped at max_seq_len. None: powers of two from 64 to max_seq_len.
+    prefill_buckets: tuple[int, ...] | None = None
+    max_prompt_rows: int | None = None  # context budget (rows); None: max_seq_len - max_frames
+    # User audio is padded (at the end: Mimi is causal) up to one of these lengths in 80 ms frames;
+    # longer audio is encoded in streaming mode in pieces of the largest bucket.
+    encode_buckets: tuple[int, ...] = (25, 50, 100, 200)  # 2, 4, 8, 16 s
+    # After warm-up: "eager_on_recompile" (serve: an unseen shape runs eagerly, never compiles,
+    # never raises), "fail_on_recompile" (tests: raise), or "default" (leave torch's stance).
+    stance_after_warmup: str = "eager_on_recompile"
+    cudnn_benchmark: bool = False  # CUDA only; see docs/stall.md for why off is the safe default
+    slow_step_ms: float = 200.0  # log a warning for any frame step / prefill / encode slower than this
 
     @classmethod
     def tiny(cls, **overrides) -> "TTSConfig":
         """Small random-weight models: faster than real time on one CPU thread."""
-        base = dict(profile="tiny", max_seq_len=512, max_frames=100, device="cpu", dtype="float32")
+        base = dict(profile="tiny", max_seq_len=512, max_frames=100, device="cpu", dtype="float32",
+                    encode_buckets=(25, 50, 100))
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def full(cls, **overrides) -> "TTSConfig":
+        """Full-size CSM-1B + Mimi with random weights (benchmarks on a GPU; no checkpoint needed)."""
+        base = dict(profile="full", max_seq_len=2048, max_frames=250, device="cuda", dtype="bfloat16")
         base.update(overrides)
         return cls(**base)
 

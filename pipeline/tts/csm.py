@@ -123,8 +123,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = a.n_heads, a.n_kv_heads, a.head_dim
         self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
+        # non-persistent buffers: static tensors that torch.compile / CUDA graphs see as module state
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
 
     def forward(self, x, rot, mask, input_pos):
         b, t, _ = x.shape
@@ -176,6 +177,16 @@ class Transformer(nn.Module):
         self.positions = torch.arange(max_len, device=device)
         self.max_len = max_len
 
+    def step(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One position given as a tensor ``pos`` ([1] long): x [B, 1, D] -> normed hidden [B, 1, D].
+
+        The position is data, not a Python int, so a compiled step has one static graph for every
+        position (an int argument would be specialized: a recompile per position)."""
+        rot, mask = self.rot.index_select(0, pos), self.causal.index_select(0, pos)
+        for layer in self.layers:
+            x = layer(x, rot, mask, pos)
+        return self.norm(x)
+
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Run positions ``start .. start + x.shape[1] - 1``; returns the normed hidden states."""
         end = start + x.shape[1]
@@ -188,9 +199,28 @@ class Transformer(nn.Module):
         return self.norm(x)
 
 
+def race_width(top_k: int, n_valid: int) -> int:
+    """Entries a sampler draws among: ``top_k`` when it cuts, else all ``n_valid``."""
+    return top_k if 0 < top_k < n_valid else n_valid
+
+
+def draw_noise(batch: int, k: int, temperature: float, top_k: int, n_valid: int, device,
+               generator: torch.Generator | None) -> torch.Tensor | None:
+    """The Exp(1) race noise of one whole frame ([B, k, width]) in one draw; ``None`` when greedy.
+
+    Drawn outside the compiled step so that the compiled graph is a pure function of tensors
+    (no generator object inside the graph) and eager and compiled paths sample identically."""
+    if temperature <= 0:
+        return None
+    noise = torch.empty(batch, k, race_width(top_k, n_valid), device=device)
+    return noise.exponential_(1.0, generator=generator)
+
+
 def sample_token(logits: torch.Tensor, temperature: float, top_k: int, n_valid: int,
-                 generator: torch.Generator | None) -> torch.Tensor:
-    """[B, V] logits -> [B, 1] token among the first ``n_valid`` entries, without a host sync."""
+                 generator: torch.Generator | None, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, V] logits -> [B, 1] token among the first ``n_valid`` entries, without a host sync.
+
+    ``noise`` ([B, width] Exp(1) draws, see :func:`draw_noise`) replaces the draw from ``generator``."""
     logits = logits[..., :n_valid]
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
@@ -199,7 +229,10 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, n_valid: 
     else:
         idx = None
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # argmax(p / Exp(1)) ~ p
+    if noise is None:
+        race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # argmax(p / Exp(1)) ~ p
+    else:
+        race = noise
     choice = (probs / race).argmax(dim=-1, keepdim=True)
     return choice if idx is None else idx.gather(-1, choice)
 
@@ -228,7 +261,7 @@ class CSM(nn.Module):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+                    p.copy_(torch.randn(p.shape, generator=g, device="cpu").mul_(std))
         return self
 
     @property
@@ -241,6 +274,9 @@ class CSM(nn.Module):
         self.decoder.setup_cache(batch, self.arch.num_codebooks, p.device, p.dtype)
         self.offsets = self.offsets.to(p.device)
         self.depth_pos0 = torch.zeros(1, dtype=torch.long, device=p.device)
+        # static inputs of the per-frame step (filled in place: fixed addresses for CUDA graphs)
+        self.step_pos = torch.zeros(1, dtype=torch.long, device=p.device)
+        self.step_codes = torch.zeros(batch, self.arch.num_codebooks, dtype=torch.long, device=p.device)
 
     # -- embeddings ---------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -260,9 +296,20 @@ class CSM(nn.Module):
         """Run the whole prompt at positions 0..T-1 in one call; returns the last hidden [B, D]."""
         return self.backbone(self.embed(tokens, mask), 0)[:, -1]
 
-    def backbone_step(self, codes: torch.Tensor, pos: int) -> torch.Tensor:
+    def prefill_at(self, tokens: torch.Tensor, mask: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Prefill of a prompt padded at the END to a bucket length: returns the hidden state of row
+        ``last`` ([1] long, the last real row) as a contiguous [B, D].
+
+        Equal to :meth:`prefill` of the unpadded prompt: pad rows sit after every real row, so the
+        causal mask hides them from the real rows; generation then starts at position ``last + 1``
+        and overwrites their cache entries one by one (each is masked until overwritten)."""
+        return self.backbone(self.embed(tokens, mask), 0).index_select(1, last)[:, 0]
+
+    def backbone_step(self, codes: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
         """Feed one generated frame at position ``pos``; returns its hidden state [B, D]."""
-        return self.backbone(self.embed_frame(codes), pos)[:, -1]
+        if not isinstance(pos, torch.Tensor):
+            pos = torch.tensor([pos], dtype=torch.long, device=codes.device)
+        return self.backbone.step(self.embed_frame(codes), pos)[:, -1]
 
     def c0_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.codebook0_head(h)
@@ -276,29 +323,61 @@ class CSM(nn.Module):
         return torch.einsum("bnd,ndv->bnv", x[:, 1:], self.audio_head[:n])
 
     def sample_frame(self, h: torch.Tensor, temperature: float, top_k: int,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
-        """One frame from backbone hidden ``h`` [B, D]: c0, then 31 depth steps. Returns [B, K] on device."""
+                     generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """One frame from backbone hidden ``h`` [B, D]: c0, then 31 depth steps. Returns [B, K] on device.
+
+        ``noise`` ([B, K, width], :func:`draw_noise`) replaces per-token draws from ``generator``."""
         k = self.arch.num_codebooks
-        c = sample_token(self.c0_logits(h), temperature, top_k, self.n_valid, generator)
+        c = sample_token(self.c0_logits(h), temperature, top_k, self.n_valid, generator,
+                         None if noise is None else noise[:, 0])
         out = [c]
         x = self.projection(torch.stack([h, self.audio_embeddings(c[:, 0])], dim=1))
         for i in range(1, k):
             y = self.decoder(x, 0 if i == 1 else i)[:, -1]
-            c = sample_token(y @ self.audio_head[i - 1], temperature, top_k, self.n_valid, generator)
+            c = sample_token(y @ self.audio_head[i - 1], temperature, top_k, self.n_valid, generator,
+                             None if noise is None else noise[:, i])
             out.append(c)
             if i < k - 1:
                 x = self.projection(self.audio_embeddings(c + self.offsets[i]))
         return torch.cat(out, dim=1)
+
+    # -- the per-frame step: two fixed-shape functions of tensors only (what torch.compile sees) --
+    def first_frame_fn(self, h: torch.Tensor, noise: torch.Tensor | None, temperature: float,
+                       top_k: int) -> torch.Tensor:
+        """Frame 0 of an utterance: sample from the prefill's hidden state."""
+        return self.sample_frame(h, temperature, top_k, noise=noise)
+
+    def next_frame_fn(self, prev_codes: torch.Tensor, pos: torch.Tensor, noise: torch.Tensor | None,
+                      temperature: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Later frames: feed the previous frame at ``pos`` ([1] long), then sample."""
+        h = self.backbone.step(self.embed_frame(prev_codes), pos)[:, -1]
+        return self.sample_frame(h, temperature, top_k, noise=noise), h
 
     def frame_step(self, h: torch.Tensor, prev_codes: torch.Tensor | None, pos: int, temperature: float,
                    top_k: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame: feed ``prev_codes`` at ``pos`` (if any) into the backbone, then sample.
 
         Returns ``(codes [B, K], h)``: the new frame and the hidden state it was sampled from.
+        Inputs are copied into static buffers (``step_pos``, ``step_codes``) and the race noise is
+        drawn here, so the step functions (``step_fns``, compiled or not) always see the same
+        shapes, strides and addresses whatever the position.
         """
-        if prev_codes is not None:
-            h = self.backbone_step(prev_codes, pos)
-        return self.sample_frame(h, temperature, top_k, generator), h
+        first, nxt = self.step_fns
+        noise = draw_noise(h.shape[0], self.arch.num_codebooks, temperature, top_k, self.n_valid, h.device,
+                           generator)
+        if prev_codes is None:
+            return first(h.contiguous(), noise, temperature, top_k), h
+        self.step_pos.fill_(pos)
+        self.step_codes.copy_(prev_codes)
+        return nxt(self.step_codes, self.step_pos, noise, temperature, top_k)
+
+    @property
+    def step_fns(self):
+        """(first, next) step callables; the engine swaps in compiled/gated ones (``set_step_fns``)."""
+        return getattr(self, "_step_fns", None) or (self.first_frame_fn, self.next_frame_fn)
+
+    def set_step_fns(self, first, nxt) -> None:
+        self._step_fns = (first, nxt)
 
 
 # -- checkpoints -------------------------------------------------------------------------------

@@ -10,22 +10,36 @@ most 1 and always leaves the modules in a clean state.
 Per frame the hot loop runs one backbone position and 31 depth-decoder steps with fixed shapes and
 on-device sampling; the host sees the codes once per audio chunk (to find the end of speech, an
 all-zero frame) and the chunk's PCM.
+
+No stall at a turn boundary, by construction (docs/stall.md): every tensor function on the serving
+path has a closed set of input shapes (the per-frame step: one; the prompt prefill: one per prompt
+bucket; Mimi encode of user audio: one per encode bucket plus one streaming piece; the streaming
+decode: one per chunk size), ``warmup()`` runs each of them on the serving thread, and a
+:class:`~pipeline.tts.static.StaticFn` gate keeps any shape warm-up did not see away from
+torch.compile. Bot turns reuse the codes they were generated from; audio is never re-encoded.
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+from contextlib import ExitStack
 
 import numpy as np
 import torch
 
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, load_csm, tiny_arch
-from pipeline.tts.mimi import SAMPLE_RATE, StreamingDecoder, load_mimi, to_int16
+from pipeline.tts.mimi import (FRAME_SIZE, SAMPLE_RATE, StreamingDecoder, encode_streaming_modules, load_mimi,
+                               to_int16)
 from pipeline.tts.prompt import PromptBuilder, Segment
+from pipeline.tts.static import StaticFn
 
 __all__ = ["TTSEngine", "TTSStream", "Segment"]
+
+log = logging.getLogger(__name__)
+USER_RATE = 16_000  # what the gateway and STT carry
 
 
 class TTSStream:
@@ -106,9 +120,7 @@ class TTSStream:
         eng = self._engine
         t0 = time.perf_counter()
         dev = eng.device
-        tokens = torch.from_numpy(self.prompt_tokens).to(dev).unsqueeze(0)
-        mask = torch.from_numpy(self.prompt_mask).to(dev).unsqueeze(0)
-        self._h = eng.csm.prefill(tokens, mask)
+        self._h = eng.prefill(self.prompt_tokens, self.prompt_mask)
         self._buf = torch.zeros(self.max_frames, eng.num_codebooks, dtype=torch.long, device=dev)
         self._decoder = StreamingDecoder(eng.mimi)
         self._started = True
@@ -137,7 +149,7 @@ class TTSStream:
         valid = int(ends[0]) if len(ends) else len(host)
         if valid == 0:
             return None
-        audio = self._decoder.decode(self._buf[start : start + valid].T.unsqueeze(0))
+        audio = eng.fns["decode"](self._decoder, self._buf[start : start + valid].T.unsqueeze(0))
         pcm = to_int16(audio)
         self._codes.append(host[:valid].copy())
         if valid < len(host) or stop >= self.max_frames:
@@ -163,6 +175,16 @@ class TTSEngine:
             self.tokenizer = tiny_tokenizer()
             self.csm: CSM = CSM(tiny_arch(len(self.tokenizer))).init_random(cfg.seed)
             self.csm = self.csm.to(device=self.device, dtype=dtype)
+        elif cfg.profile == "full":  # CSM-1B's architecture with random weights (benchmarks, no download)
+            from transformers import CsmConfig
+
+            from pipeline.tokenizer import tiny_tokenizer
+            from pipeline.tts.csm import arch_from_hf_config
+
+            self.tokenizer = tiny_tokenizer()
+            with torch.device(self.device):
+                self.csm = CSM(arch_from_hf_config(CsmConfig())).init_random(cfg.seed)
+            self.csm = self.csm.to(dtype=dtype)
         elif cfg.profile == "real":
             from pipeline.tokenizer import load_tokenizer
 
@@ -181,6 +203,92 @@ class TTSEngine:
         self._lock = threading.Lock()
         self._current: TTSStream | None = None
         self._active = 0
+        self.prefill_buckets = self._prefill_buckets()
+        self.encode_buckets = tuple(sorted({int(b) for b in cfg.encode_buckets}))
+        if not self.encode_buckets or self.encode_buckets[0] < 1:
+            raise ValueError(f"encode_buckets must be positive frame counts, got {cfg.encode_buckets!r}")
+        self._set_process_flags()
+        self._build_static_fns()
+        self.warm = False
+
+    # -- static shapes ----------------------------------------------------------------------------
+    def _prefill_buckets(self) -> tuple[int, ...]:
+        top = self.cfg.max_seq_len
+        if self.cfg.prefill_buckets:
+            found = {min(int(b), top) for b in self.cfg.prefill_buckets if int(b) > 0}
+        else:
+            found, b = set(), 64
+            while b < top:
+                found.add(b)
+                b *= 2
+        found.add(top)  # any prompt fits the KV cache, so it fits the largest bucket
+        return tuple(sorted(found))
+
+    def _set_process_flags(self) -> None:
+        """cuDNN autotuning off (unless configured): a new conv input length would start an
+        algorithm search of seconds, cached per thread (docs/stall.md)."""
+        if self.device.type == "cuda" or torch.cuda.is_available():
+            torch.backends.cudnn.benchmark = bool(self.cfg.cudnn_benchmark)
+
+    def _build_static_fns(self) -> None:
+        cfg, csm = self.cfg, self.csm
+        mode = cfg.compile_mode
+        if mode is None and self.device.type == "cuda":
+            mode = "reduce-overhead"  # CUDA graphs: static inputs are the step buffers and caches
+        before = None
+        if cfg.compile and mode == "reduce-overhead":
+            before = torch.compiler.cudagraph_mark_step_begin
+        if cfg.compile:  # one cache entry per bucket: make sure dynamo keeps them all
+            need = max(len(self.prefill_buckets), len(self.encode_buckets)) + 2
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < need:
+                    setattr(torch._dynamo.config, name, need)
+
+        def compiled(fn, fullgraph: bool):
+            if not cfg.compile:
+                return None
+            kw: dict = dict(dynamic=False, fullgraph=fullgraph, backend=cfg.compile_backend)
+            if mode and cfg.compile_backend == "inductor":
+                kw["mode"] = mode
+            return torch.compile(fn, **kw)
+
+        def fn(name, f, fullgraph=True, compile_it=True):
+            return StaticFn(name, f, compiled(f, fullgraph) if compile_it else None, cfg.slow_step_ms, before)
+
+        self.fns: dict[str, StaticFn] = {
+            "first_frame": fn("first_frame", csm.first_frame_fn),
+            "next_frame": fn("next_frame", csm.next_frame_fn),
+            "prefill": fn("prefill", csm.prefill_at),
+            "encode": fn("encode", self._mimi_encode, fullgraph=False),
+            # Mimi's streaming state holds Python ints (offsets): eager, in fixed-size pieces
+            "encode_piece": fn("encode_piece", self._mimi_encode_piece, compile_it=False),
+            "decode": fn("decode", self._decode_chunk, compile_it=False),
+        }
+        csm.set_step_fns(self.fns["first_frame"], self.fns["next_frame"])
+
+    def stats(self) -> dict[str, int]:
+        """Calls of the gated functions whose shapes warm-up did not cover, and slow calls."""
+        return {"unseen_shape_calls": sum(f.unseen_calls for f in self.fns.values()),
+                "slow_calls": sum(f.slow_calls for f in self.fns.values())}
+
+    def bucket_for(self, rows: int) -> int:
+        for b in self.prefill_buckets:
+            if rows <= b:
+                return b
+        raise ValueError(f"prompt of {rows} rows beyond the KV cache ({self.cfg.max_seq_len})")
+
+    @torch.inference_mode()
+    def prefill(self, tokens: np.ndarray, mask: np.ndarray) -> torch.Tensor:
+        """Prompt rows ([L, 33]) padded at the end to their bucket -> last hidden state [1, D]."""
+        rows = len(tokens)
+        b = self.bucket_for(rows)
+        tok = np.zeros((b, tokens.shape[1]), dtype=np.int64)
+        msk = np.zeros((b, tokens.shape[1]), dtype=bool)
+        tok[:rows], msk[:rows] = tokens, mask
+        dev = self.device
+        last = torch.tensor([rows - 1], dtype=torch.long, device=dev)
+        h = self.fns["prefill"](torch.from_numpy(tok).to(dev)[None], torch.from_numpy(msk).to(dev)[None], last)
+        return h.clone() if self.device.type == "cuda" else h  # CUDA-graph outputs are reused
 
     @property
     def active_requests(self) -> int:
@@ -199,7 +307,10 @@ class TTSEngine:
         """Prompt rows ([L, 33] tokens and mask) leaving room for ``max_frames`` generated frames."""
         max_frames = self.max_frames_for(text) if max_frames is None else max_frames
         speaker = self.cfg.speaker if speaker is None else speaker
-        return self.prompts.build(speaker, text, context, self.cfg.max_seq_len - max_frames)
+        budget = self.cfg.max_seq_len - max_frames  # the context budget: oldest segments are dropped
+        if self.cfg.max_prompt_rows is not None:
+            budget = min(budget, self.cfg.max_prompt_rows)
+        return self.prompts.build(speaker, text, context, budget)
 
     def stream(self, text: str, context: list[Segment] | None = None, speaker: int | None = None,
                max_frames: int | None = None) -> TTSStream:
@@ -222,19 +333,116 @@ class TTSEngine:
             if self._current is s:
                 self._current = None
 
+    # -- Mimi encode of user audio: fixed bucket lengths ---------------------------------------------
+    def _mimi_encode(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.mimi.encode(wav)
+
+    def _mimi_encode_piece(self, wav: torch.Tensor) -> torch.Tensor:
+        """One piece of a streaming encode (the encode path's modules are in streaming mode)."""
+        mimi = self.mimi
+        emb = mimi.encoder(wav)
+        if mimi.encoder_transformer is not None:
+            (emb,) = mimi.encoder_transformer(emb)
+        return mimi.quantizer.encode(mimi._to_framerate(emb))
+
+    def _decode_chunk(self, decoder: StreamingDecoder, codes: torch.Tensor) -> torch.Tensor:
+        return decoder.decode(codes)
+
     @torch.inference_mode()
+    def encode_wave(self, wav: np.ndarray) -> np.ndarray:
+        """Float mono 24 kHz audio -> Mimi codes [T, 32] int64, T = ceil(len / 1920).
+
+        Up to the largest bucket: padded at the end to the next bucket and encoded in one call
+        (Mimi is causal, so the valid frames' codes equal an unpadded encode). Longer: Mimi's
+        streaming encode over pieces of exactly the largest bucket (the last one padded), whose
+        codes equal a one-shot encode of the whole. Either way only warmed shapes run."""
+        wav = np.asarray(wav, dtype=np.float32).reshape(-1)
+        n = len(wav)
+        k = self.num_codebooks
+        if n == 0:
+            return np.zeros((0, k), dtype=np.int64)
+        frames = -(-n // FRAME_SIZE)
+        top = self.encode_buckets[-1]
+        if frames <= top:
+            b = next(b for b in self.encode_buckets if frames <= b)
+            x = np.zeros(b * FRAME_SIZE, dtype=np.float32)
+            x[:n] = wav
+            codes = self.fns["encode"](torch.from_numpy(x).to(self.device).view(1, 1, -1))[0, :, :frames]
+        else:
+            piece = top * FRAME_SIZE
+            x = np.zeros(-(-n // piece) * piece, dtype=np.float32)
+            x[:n] = wav
+            xt = torch.from_numpy(x).to(self.device).view(1, 1, -1)
+            with ExitStack() as stack:
+                for m in encode_streaming_modules(self.mimi):
+                    stack.enter_context(m.streaming(1))
+                parts = [self.fns["encode_piece"](xt[..., a : a + piece]) for a in range(0, len(x), piece)]
+            codes = torch.cat(parts, dim=-1)[0, :, :frames]
+        return codes.T.cpu().numpy().astype(np.int64)
+
     def encode(self, pcm_24k: np.ndarray) -> np.ndarray:
         """User audio (int16 or float in [-1, 1], mono 24 kHz) -> Mimi codes [T, 32] int64."""
         x = np.asarray(pcm_24k)
         x = x.astype(np.float32) / 32768.0 if x.dtype == np.int16 else x.astype(np.float32)
-        wav = torch.from_numpy(x.reshape(1, 1, -1)).to(self.device)
-        codes = self.mimi.encode(wav)[0].T  # [T, 32]
-        return codes.cpu().numpy().astype(np.int64)
+        return self.encode_wave(x)
 
-    def warmup(self) -> None:
-        """Run every code path once (prefill, frame steps, streaming decode, encode) on this thread."""
-        self.encode(np.zeros(SAMPLE_RATE // 2, dtype=np.int16))
-        s = self.stream("Hello there.", max_frames=self.cfg.first_chunk_frames + self.cfg.chunk_frames)
-        for _ in s:
+    def encode_user_audio(self, pcm_16k: np.ndarray) -> np.ndarray:
+        """A user turn as the gateway carries it (int16 mono 16 kHz) -> Mimi codes [T, 32] int64:
+        resampled to 24 kHz once, then :meth:`encode_wave` (bucketed, never a new shape). Encode
+        each user turn once and keep its codes in its :class:`Segment`."""
+        from pipeline.audio import int16_to_float, resample
+
+        return self.encode_wave(resample(int16_to_float(np.asarray(pcm_16k, dtype=np.int16)), USER_RATE, SAMPLE_RATE))
+
+    # -- warm-up ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run_every_shape(self) -> None:
+        cfg, dev, k = self.cfg, self.device, self.num_codebooks
+        for b in self.encode_buckets:  # each encode bucket, then the streaming path (2 pieces)
+            self.encode_wave(np.zeros(b * FRAME_SIZE, dtype=np.float32))
+        self.encode_wave(np.zeros(self.encode_buckets[-1] * FRAME_SIZE + 1, dtype=np.float32))
+        width = k + 1
+        codes = None
+        for b in self.prefill_buckets:  # each prefill bucket, the first and the later frame steps
+            tokens = np.zeros((b, width), dtype=np.int64)
+            mask = np.zeros((b, width), dtype=bool)
+            mask[:, k] = True
+            h = self.prefill(tokens, mask)
+            codes, h = self.csm.frame_step(h, None, 0, cfg.temperature, cfg.top_k, self.generator)
+            codes, h = self.csm.frame_step(h, codes, min(b, cfg.max_seq_len - 1), cfg.temperature, cfg.top_k,
+                                           self.generator)
+        sizes = sorted({cfg.first_chunk_frames, *range(1, cfg.chunk_frames + 1)})
+        dec = StreamingDecoder(self.mimi)  # every chunk size of the streaming decode
+        try:
+            frame = torch.zeros(1, k, 1, dtype=torch.long, device=dev) if codes is None else codes.T[None]
+            for n in sizes:
+                self.fns["decode"](dec, frame.expand(1, k, n).contiguous())
+        finally:
+            dec.close()
+        s = self.stream("Hello there.", max_frames=cfg.first_chunk_frames + cfg.chunk_frames)
+        for _ in s:  # and the whole path once, as a request runs it
             pass
         s.close()
+
+    def warmup(self) -> None:
+        """Run every shape of the serving path on THIS thread (call it on the serving thread: some
+        caches are per thread). With ``compile``: an eager pass first (Mimi's quantizer builds its
+        tables on first use, so a compile before it would be traced twice), then the compiled pass.
+        Then the gates are sealed and torch's compiler stance set to ``cfg.stance_after_warmup``."""
+        passes = (True, False) if self.cfg.compile else (True,)
+        t0 = time.perf_counter()
+        try:
+            for eager in passes:
+                for f in self.fns.values():
+                    f.force_eager = eager
+                self._run_every_shape()
+        finally:
+            for f in self.fns.values():
+                f.force_eager = False
+        for f in self.fns.values():
+            f.seal()
+        self.warm = True
+        if self.cfg.compile and self.cfg.stance_after_warmup != "default":
+            torch.compiler.set_stance(self.cfg.stance_after_warmup)
+        log.info("TTS warm in %.1f s: prefill buckets %s, encode buckets %s frames, compile=%s",
+                 time.perf_counter() - t0, self.prefill_buckets, self.encode_buckets, self.cfg.compile)

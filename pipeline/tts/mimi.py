@@ -42,6 +42,14 @@ def load_mimi(profile: str, name_or_path: str = "kyutai/moshiko-pytorch-bf16", d
                 for name, buf in mimi.named_buffers():
                     if name.endswith("embedding_sum"):
                         buf.copy_(torch.randn_like(buf))
+    elif profile == "full":  # the real architecture with random weights (benchmarks, no download)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            mimi = loaders.get_mimi(None, device=device, num_codebooks=NUM_CODEBOOKS)
+            with torch.no_grad():
+                for name, buf in mimi.named_buffers():
+                    if name.endswith("embedding_sum"):
+                        buf.copy_(torch.randn_like(buf))
     else:
         import os
 
@@ -66,6 +74,16 @@ def warm_quantizer(mimi) -> None:
 
 def decode_streaming_modules(mimi) -> list:
     """The outermost streaming modules on Mimi's decode path (the encoder path stays stateless)."""
+    return _streaming_modules(mimi.upsample, mimi.decoder_transformer, mimi.decoder)
+
+
+def encode_streaming_modules(mimi) -> list:
+    """The outermost streaming modules on Mimi's encode path (SEANet encoder, encoder transformer,
+    downsample). Streaming them alone leaves an open decode stream untouched."""
+    return _streaming_modules(mimi.encoder, mimi.encoder_transformer, mimi.downsample)
+
+
+def _streaming_modules(*roots) -> list:
     from moshi.modules.streaming import StreamingModule
 
     found: list = []
@@ -77,7 +95,7 @@ def decode_streaming_modules(mimi) -> list:
             for child in m.children():
                 visit(child)
 
-    for m in (mimi.upsample, mimi.decoder_transformer, mimi.decoder):
+    for m in roots:
         if m is not None:
             visit(m)
     return found

@@ -1,0 +1,110 @@
+"""No compilation after warm-up, whatever the conversation: counted, never timed (docs/stall.md).
+
+The engine runs with ``compile=True`` (tiny models, CPU). Dynamo's guards and recompiles do not
+depend on the backend, so by default the backend is ``aot_eager`` (traces like inductor, with
+AOTAutograd's functionalization of the KV-cache writes, but no code generation) to fit the suite's
+time budget; ``GAPLESS_STALL_BACKEND=inductor`` runs the same tests with inductor (several minutes
+on 2 cores: the unrolled 32-codebook frame step alone takes ~3 min to build there).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.compile_guard import CompileCounter
+from pipeline.tts.config import TTSConfig
+from pipeline.tts.engine import Segment, TTSEngine
+from pipeline.tts.mimi import FRAME_SIZE
+
+torch.set_num_threads(1)
+
+BACKEND = os.environ.get("GAPLESS_STALL_BACKEND", "aot_eager")
+RATE_16K = 16_000
+
+
+@pytest.fixture(scope="module")
+def counter():
+    return CompileCounter().install()
+
+
+@pytest.fixture(scope="module")
+def warm(counter):
+    cfg = TTSConfig.tiny(max_frames=12, max_seq_len=128, prefill_buckets=(64, 128), encode_buckets=(13, 25),
+                         compile=True, compile_backend=BACKEND, stance_after_warmup="fail_on_recompile")
+    engine = TTSEngine(cfg)
+    before = counter.total
+    engine.warmup()
+    assert counter.total > before  # the warm-up did compile: the counter sees this engine's compiles
+    counter.mark_warm()
+    yield engine
+    torch.compiler.set_stance("default")  # the stance is process-wide: leave other tests alone
+
+
+def _speech(seconds: float, seed: int) -> np.ndarray:
+    from pipeline.audio import speech_like
+
+    return speech_like(seconds, RATE_16K, seed=seed)
+
+
+def test_conversation_after_warmup_compiles_nothing(warm, counter):
+    engine = warm
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # user turns of never-seen lengths (one longer than the largest encode bucket, 2 s), replies
+    # of never-seen text lengths, each turn with all previous turns as context
+    user_seconds = [0.37, 1.13, 2.93, 0.81, 1.71, 0.09, 4.4, 1.99, 0.55]
+    replies = ["Hi.", "Sure, I can do that.", "Okay.", "Let me think about it for a moment.", "Yes!",
+               "That is a long one, but fine.", "Two words.", "No.", "Here is the last answer of today."]
+    context: list[Segment] = []
+    prompt_rows = set()
+    for turn, (sec, text) in enumerate(zip(user_seconds, replies)):
+        pcm = _speech(sec, seed=turn)
+        codes = engine.encode_user_audio(pcm)
+        assert codes.shape == (-(-(-(-len(pcm) * 3 // 2)) // FRAME_SIZE), 32)  # 16 -> 24 kHz, 80 ms frames
+        context.append(Segment(speaker=1, text=f"user turn {turn}", codes=codes))
+        s = engine.stream(text, context=context)
+        prompt_rows.add(len(s.prompt_tokens))
+        chunks = list(s)
+        assert sum(len(c) for c in chunks) == s.frames * FRAME_SIZE > 0
+        context.append(Segment(speaker=0, text=text, codes=s.codes))  # the generated codes, not re-encoded
+    assert len(prompt_rows) >= 6  # the prompts really had different lengths...
+    assert {engine.bucket_for(r) for r in prompt_rows} == set(engine.prefill_buckets)  # ...in every bucket
+    assert counter.after_warmup == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert engine.stats()["unseen_shape_calls"] == 0
+
+
+def test_naive_compiled_encode_recompiles_for_a_new_length(warm, counter):
+    """Control: the counter can fail. A compiled ``mimi.encode`` fed raw lengths compiles again."""
+    mimi = warm.mimi
+    naive = torch.compile(mimi.encode, backend=BACKEND)  # torch's defaults, as a naive caller would
+    rng = np.random.default_rng(0)
+    with torch.compiler.set_stance("default"), torch.inference_mode():
+        naive(torch.from_numpy(rng.standard_normal((1, 1, 7 * FRAME_SIZE)).astype(np.float32)))
+        after_first = counter.total
+        naive(torch.from_numpy(rng.standard_normal((1, 1, 11 * FRAME_SIZE)).astype(np.float32)))
+    assert counter.total > after_first
+
+
+@pytest.mark.parametrize("samples", [1, 1919, 1920, 5000, 13 * FRAME_SIZE, 13 * FRAME_SIZE + 1, 47_000,
+                                     25 * FRAME_SIZE, 25 * FRAME_SIZE + 7, 123_457])
+def test_bucketed_encode_equals_plain_encode(warm, samples):
+    engine = warm
+    wav = (np.random.default_rng(samples).standard_normal(samples) * 0.3).astype(np.float32)
+    before = engine.stats()["unseen_shape_calls"]
+    got = engine.encode_wave(wav)
+    with torch.inference_mode():
+        ref = engine.mimi.encode(torch.from_numpy(wav).view(1, 1, -1))[0].T.numpy()
+    assert got.shape == ref.shape == (-(-samples // FRAME_SIZE), 32)
+    np.testing.assert_array_equal(got, ref)
+    assert engine.stats()["unseen_shape_calls"] == before  # padded / pieced: only warmed shapes ran
+
+
+def test_encode_user_audio_resamples_once(warm):
+    from pipeline.audio import int16_to_float, resample
+
+    pcm = _speech(1.3, seed=7)
+    wav = resample(int16_to_float(pcm), RATE_16K, 24000)
+    np.testing.assert_array_equal(warm.encode_user_audio(pcm), warm.encode_wave(wav))
