@@ -61,6 +61,9 @@ def spoken_audio(i: int, text: str) -> tuple[np.ndarray, str]:
 
 async def converse(url: str, turns: int, realtime: bool) -> tuple[list[dict], Conversation]:
     rows = []
+    # Synthesize every spoken turn before connecting: nothing may block the client's event loop
+    # mid-conversation (it would miss the server's keepalive pings).
+    spoken = {i: spoken_audio(i, SPOKEN[(i // 2) % len(SPOKEN)]) for i in range(1, turns, 2)}
     async with Conversation(url) as conv:
         for i in range(turns):
             if i % 2 == 0:
@@ -68,8 +71,7 @@ async def converse(url: str, turns: int, realtime: bool) -> tuple[list[dict], Co
                 tr = await conv.say_text(text)
                 kind, seconds = "typed", 0.0
             else:
-                text = SPOKEN[(i // 2) % len(SPOKEN)]
-                pcm, source = spoken_audio(i, text)
+                pcm, source = spoken[i]
                 tr = await conv.say_audio(pcm, realtime=realtime)
                 kind, seconds = f"spoken ({source})", len(pcm) / P.INPUT_SAMPLE_RATE
             rows.append(turn_row(tr, kind, seconds))

@@ -33,10 +33,7 @@ async def one_conversation(url: str, idx: int, deadline: float, t0: float, sampl
                 if i % 2 == 0:
                     tr = await conv.say_text(TYPED[i % len(TYPED)])
                 else:
-                    key = i % len(SPOKEN)
-                    if key not in audio_cache:
-                        audio_cache[key] = spoken_audio(key, SPOKEN[key])[0]
-                    tr = await conv.say_audio(audio_cache[key], realtime=True)
+                    tr = await conv.say_audio(audio_cache[i % len(SPOKEN)], realtime=True)
                 when = tr.done_at - t0
                 if tr.time_to_first_audio is not None:
                     samples.append(("ttfa", when, tr.time_to_first_audio))
@@ -52,7 +49,8 @@ async def run_level(url: str, n: int, seconds: float, progress: bool) -> dict:
     deadline = t0 + seconds
     samples: list = []
     errors: list = []
-    cache: dict = {}
+    # synthesized before any session starts: nothing may block the event loop mid-conversation
+    cache = {k: spoken_audio(k, text)[0] for k, text in enumerate(SPOKEN)}
     tasks = [asyncio.create_task(one_conversation(url, k, deadline, t0, samples, errors, cache)) for k in range(n)]
     while not all(t.done() for t in tasks):
         await asyncio.sleep(1)
