@@ -19,7 +19,9 @@ from pipeline.tts.config import TTSConfig
 @pytest.fixture(scope="module")
 def engines():
     # A deliberately slow LLM (20 ms per token) so that the reply outlasts its first clause.
-    return LocalBackends.build(STTConfig.tiny(num_slots=4), LLMConfig.tiny(token_delay_s=0.02, max_new_tokens=40),
+    # No endpointing: on random weights a run of blanks comes by chance and would split turns.
+    return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
+                               LLMConfig.tiny(token_delay_s=0.02, max_new_tokens=40),
                                TTSConfig.tiny())
 
 
