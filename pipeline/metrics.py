@@ -47,6 +47,11 @@ TTS_REAL_TIME_FACTOR = Histogram(
 COMPILES_AFTER_WARMUP = Counter(
     "voice_compiles_after_warmup", "Compilations after warm-up (should stay 0).", ["deployment"]
 )
+UNSEEN_SHAPES_AFTER_WARMUP = Counter(
+    "voice_unseen_shapes_after_warmup",
+    "Calls of a compiled step with a shape warm-up did not cover, run eagerly instead (should stay 0).",
+    ["deployment"],
+)
 SESSIONS_ACTIVE = Gauge("voice_sessions_active", "Open WebSocket sessions.", multiprocess_mode="livesum")
 TURNS = Counter("voice_turns", "User turns ended (spoken or typed).")
 BARGE_INS = Counter("voice_barge_ins", "Replies interrupted by a new user turn.")
@@ -54,7 +59,7 @@ ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["c
 
 ALL = [
     AUDIO_CHUNK_GAP, TIME_TO_FIRST_AUDIO, STT_STEP, STT_ACTIVE_STREAMS, LLM_TIME_TO_FIRST_TOKEN,
-    TTS_TIME_TO_FIRST_CHUNK, TTS_REAL_TIME_FACTOR, COMPILES_AFTER_WARMUP, SESSIONS_ACTIVE, TURNS,
+    TTS_TIME_TO_FIRST_CHUNK, TTS_REAL_TIME_FACTOR, COMPILES_AFTER_WARMUP, UNSEEN_SHAPES_AFTER_WARMUP, SESSIONS_ACTIVE, TURNS,
     BARGE_INS, ERRORS,
 ]
 

@@ -119,6 +119,16 @@ class TTSService:
     def __init__(self, engine, thread: InferenceThread):
         self.engine, self.thread = engine, thread
         self._lock = asyncio.Lock()
+        self._unseen = metrics.UNSEEN_SHAPES_AFTER_WARMUP.labels(deployment="tts")
+        self._unseen.inc(0)
+        self._unseen_seen = engine.stats()["unseen_shape_calls"]
+
+    def _count_unseen_shapes(self) -> None:
+        """Export the engine's count of calls with shapes warm-up did not cover (new ones only)."""
+        now = self.engine.stats()["unseen_shape_calls"]
+        if now > self._unseen_seen:
+            self._unseen.inc(now - self._unseen_seen)
+        self._unseen_seen = now
 
     def _chunks_with_codes(self, text: str, context: list | None):
         """Runs on the inference thread: (pcm chunk, codes of the frames that made it)."""
@@ -144,10 +154,13 @@ class TTSService:
             if samples:
                 audio_s = samples / self.engine.sample_rate
                 metrics.TTS_REAL_TIME_FACTOR.observe((time.perf_counter() - t0) / audio_s)
+            self._count_unseen_shapes()
 
     async def encode(self, pcm_16k: np.ndarray) -> np.ndarray:
         """A user turn's audio (int16, 16 kHz) to Mimi codes [T, 32], once, for the context."""
-        return await self.thread.run(self.engine.encode_user_audio, pcm_16k)
+        codes = await self.thread.run(self.engine.encode_user_audio, pcm_16k)
+        self._count_unseen_shapes()
+        return codes
 
     def stats(self) -> dict:
         return {"active_requests": self.engine.active_requests}
