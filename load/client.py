@@ -24,6 +24,7 @@ class TurnResult:
     chunks: list[np.ndarray] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)
     interrupted: bool | None = None
+    timings: dict | None = None  # response.done's optional server-side split (ms)
     types: list[str] = field(default_factory=list)  # message types in arrival order
     ended_at: float = 0.0  # when the client ended the turn (sent turn.end / text)
     final_at: float = 0.0
@@ -104,6 +105,7 @@ class Conversation:
             tr.chunk_times.append(now)
         elif kind == "response.done":
             tr.interrupted, tr.done_at = msg["interrupted"], now
+            tr.timings = msg.get("timings")
 
     async def next_message(self, timeout: float = 60) -> dict:
         return await asyncio.wait_for(self._inbox.get(), timeout)

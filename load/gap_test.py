@@ -94,6 +94,7 @@ def turn_row(tr: TurnResult, kind: str, input_s: float) -> dict:
         "chunk_times_s": [round(t - t0, 4) for t in tr.chunk_times],
         "chunk_seconds": [round(len(c) / P.OUTPUT_SAMPLE_RATE, 4) for c in tr.chunks],
         "interrupted": tr.interrupted,
+        "server_timings_ms": tr.timings,
     }
 
 
@@ -110,17 +111,33 @@ def summarize(rows: list[dict], max_gap_s: float) -> dict:
         "ttfa_p50_ms": round(float(np.nanpercentile(ttfa, 50)) * 1000, 1),
         "ttfa_p95_ms": round(float(np.nanpercentile(ttfa, 95)) * 1000, 1),
         "turns_without_audio": sum(1 for r in rows if r["chunks"] == 0),
+        # where time to first audio goes, ms after transcript.final (server side), p50 over turns
+        **{f"{k}_p50": round(float(np.median(v)), 1) for k, v in _timings(rows).items()},
         "max_gap_ms_limit": max_gap_s * 1000,
     }
 
 
+def _timings(rows: list[dict]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        for k, v in (r["server_timings_ms"] or {}).items():
+            out.setdefault(k, []).append(v)
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"{'turn':>4} {'kind':<20} {'in s':>5} {'chunks':>6} {'audio s':>7} {'ttfa ms':>8} {'gap p50':>8} {'gap max':>8}")
+    print(f"{'turn':>4} {'kind':<20} {'in s':>5} {'chunks':>6} {'audio s':>7} {'ttfa ms':>8} {'gap p50':>8} "
+          f"{'gap max':>8} {'llm 1st':>8} {'clause':>7} {'audio':>6}")
     for r in rows:
         g = r["gaps_s"] or [0.0]
         ttfa = "-" if r["ttfa_s"] is None else f"{r['ttfa_s'] * 1000:.0f}"
+        t = r["server_timings_ms"] or {}
+        split = " ".join(f"{t.get(k, float('nan')):>{w}.0f}" for k, w in
+                         (("llm_first_token_ms", 8), ("first_clause_ms", 7), ("first_audio_ms", 6)))
         print(f"{r['turn']:>4} {r['kind']:<20} {r['input_s']:>5.2f} {r['chunks']:>6} {r['audio_s']:>7.2f} "
-              f"{ttfa:>8} {np.median(g) * 1000:>8.0f} {max(g) * 1000:>8.0f}")
+              f"{ttfa:>8} {np.median(g) * 1000:>8.0f} {max(g) * 1000:>8.0f} {split}")
+    print("(llm 1st / clause / audio: server-side ms after transcript.final to the LLM's first token, "
+          "the first clause handed to TTS, the first audio chunk sent)")
 
 
 def draw_timeline(rows: list[dict], max_gap_s: float, path: Path) -> None:
