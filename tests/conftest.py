@@ -8,16 +8,3 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-
-import pytest  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def server():
-    """The real app (`serve run serve_config.yaml`), started once for every end-to-end test."""
-    from tests.serve_process import ServeProcess
-
-    proc = ServeProcess()
-    proc.start()
-    yield proc
-    proc.stop()

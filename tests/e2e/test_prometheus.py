@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from load.client import Conversation
-from tests.serve_process import PORT, ROOT, URL
+from tests.e2e.serve_process import PORT, ROOT, URL
 
 PROM_PORT = 9391
 GRAFANA = ROOT / "grafana"

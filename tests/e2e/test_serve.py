@@ -12,7 +12,7 @@ import websockets
 from load.client import Conversation, TurnResult
 from pipeline import protocol as P
 from pipeline.audio import speech_like
-from tests.serve_process import URL, healthz
+from tests.e2e.serve_process import URL, healthz
 
 pytestmark = pytest.mark.timeout(1500)
 
