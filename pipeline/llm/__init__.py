@@ -5,7 +5,7 @@ deltas`` (``.close()`` cancels) and ``active_requests``:
 
 * ``"transformers"``: :class:`pipeline.llm.engine.LLMEngine` (in-process, static KV cache);
 * ``"openai"``: :class:`pipeline.llm.openai_backend.OpenAIEngine` (any OpenAI-compatible server);
-* ``"vllm"``: needs the optional GPU extra (not implemented in-process yet).
+* ``"vllm"``: :class:`pipeline.llm.vllm_backend.VLLMEngine` (optional GPU extra; untested here).
 """
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ def make_llm(cfg: LLMConfig) -> Any:
                 "installed). Use backend='transformers', or run a vLLM server and use "
                 "backend='openai' with openai_url pointing at it."
             ) from exc
-        raise NotImplementedError(
-            "the in-process vLLM backend is not implemented yet; run `vllm serve MODEL` and use "
-            "backend='openai' with openai_url='http://HOST:8000/v1'"
-        )
+        from pipeline.llm.vllm_backend import VLLMEngine
+
+        return VLLMEngine(cfg)
     raise ValueError(f"unknown LLM backend {cfg.backend!r}; expected one of {BACKENDS}")

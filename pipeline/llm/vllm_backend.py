@@ -1,0 +1,98 @@
+"""The in-process vLLM backend (optional GPU extra: ``pip install .[gpu]``).
+
+vLLM's synchronous ``LLMEngine`` fits the replica's one-inference-thread model: every stream's
+``next()`` runs on that thread and calls ``engine.step()`` when it has nothing buffered, and one
+step advances *all* open requests (vLLM batches them continuously), buffering the others' output
+for their own ``next()``. ``close()`` aborts the request. Untested on this repository's CI
+(no GPU, vllm not installed there); the interface is the same as the transformers backend.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import Any, Iterator
+
+from pipeline.llm.config import LLMConfig
+from pipeline.llm.engine import build_prompt
+from pipeline.weights import require_pretrained
+
+
+class VLLMEngine:
+    def __init__(self, cfg: LLMConfig):
+        from vllm import EngineArgs, LLMEngine
+
+        self.cfg = cfg
+        path = require_pretrained(cfg.model, what="LLM")
+        dtype = "auto" if cfg.dtype == "auto" else cfg.dtype
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs(model=path, dtype=dtype, max_model_len=cfg.max_context_tokens, seed=cfg.seed)
+        )
+        self.tokenizer = self.engine.get_tokenizer()
+        self._ids = itertools.count()
+        self._buffers: dict[str, deque] = {}
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._buffers)
+
+    def warmup(self) -> None:
+        for _ in self.stream([{"role": "user", "content": "Hello."}], max_new_tokens=4):
+            pass
+
+    def _count(self, messages: list[dict]) -> int:
+        return len(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+
+    def stream(self, messages: list[dict], *, max_new_tokens: int | None = None, **_: Any) -> "VLLMStream":
+        from vllm import SamplingParams
+
+        cfg = self.cfg
+        budget = min(cfg.history_tokens, cfg.max_context_tokens - (max_new_tokens or cfg.max_new_tokens))
+        msgs = build_prompt(messages, cfg.system_prompt, budget, count_tokens=self._count)
+        prompt = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        params = SamplingParams(
+            max_tokens=max_new_tokens or cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k if cfg.top_k and cfg.top_k > 0 else -1,
+            top_p=cfg.top_p,
+        )
+        rid = f"r{next(self._ids)}"
+        self._buffers[rid] = deque()
+        self.engine.add_request(rid, prompt, params)
+        return VLLMStream(self, rid)
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            buf = self._buffers.get(out.request_id)
+            if buf is not None:
+                buf.append((out.outputs[0].text, out.finished))
+
+
+class VLLMStream(Iterator[str]):
+    """Text deltas of one request (vLLM reports cumulative text; we send the new part)."""
+
+    def __init__(self, engine: VLLMEngine, rid: str):
+        self.engine, self.rid = engine, rid
+        self.text = ""
+        self._done = False
+
+    def __next__(self) -> str:
+        buf = self.engine._buffers.get(self.rid)
+        while not self._done and buf is not None:
+            while not buf:
+                self.engine._step()
+            text, finished = buf.popleft()
+            delta, self.text = text[len(self.text):], text
+            if finished:
+                self._release()
+            if delta:
+                return delta
+        raise StopIteration
+
+    def _release(self) -> None:
+        self._done = True
+        self.engine._buffers.pop(self.rid, None)
+
+    def close(self) -> None:
+        if not self._done:
+            self.engine.engine.abort_request(self.rid)
+            self._release()
