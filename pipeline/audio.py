@@ -6,6 +6,7 @@ import wave
 from math import gcd
 
 import numpy as np
+from scipy.signal import resample_poly  # imported here, not at first use: it takes ~1 s
 
 
 def int16_to_float(pcm: np.ndarray) -> np.ndarray:
@@ -21,8 +22,6 @@ def resample(audio: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
     outputs computed), float32 in and out. 16 kHz -> 24 kHz is 3/2; 22.05 kHz -> 16 kHz 320/441."""
     if src_rate == dst_rate:
         return np.ascontiguousarray(audio, dtype=np.float32)
-    from scipy.signal import resample_poly
-
     g = gcd(src_rate, dst_rate)
     y = resample_poly(np.asarray(audio, dtype=np.float32), dst_rate // g, src_rate // g)
     return np.ascontiguousarray(y, dtype=np.float32)

@@ -401,6 +401,7 @@ class TTSEngine:
         for b in self.encode_buckets:  # each encode bucket, then the streaming path (2 pieces)
             self.encode_wave(np.zeros(b * FRAME_SIZE, dtype=np.float32))
         self.encode_wave(np.zeros(self.encode_buckets[-1] * FRAME_SIZE + 1, dtype=np.float32))
+        self.encode_user_audio(np.zeros(USER_RATE // 10, dtype=np.int16))  # and the user path (resample)
         width = k + 1
         codes = None
         for b in self.prefill_buckets:  # each prefill bucket, the first and the later frame steps
