@@ -309,3 +309,20 @@ def test_mixed_last_batch_equals_split_batch(tiny, framing):
     if framing == "exact":
         for sid, pcm in audios.items():
             assert together[sid] == offline_tokens(tiny[1], pcm), sid
+
+
+@torch.inference_mode()
+def test_fast_features_and_pre_encode_are_bitwise_nemo(tiny):
+    """The engine's mel features and full-length pre-encode fast paths equal NeMo's modules bit for bit."""
+    cfg, model = tiny
+    eng = _engine(tiny, framing="nemo")
+    assert eng._fast_feats and eng._fast_pre
+    w = 18080
+    x = torch.from_numpy(np.stack([speech_like_audio(w / 16000, seed=i)[:w] for i in range(3)]))
+    for xl in (torch.full((3,), w), torch.tensor([w, w - 3000, 900])):
+        assert torch.equal(eng._features(x, xl), model.preprocessor(input_signal=x, length=xl)[0])
+    f = torch.randn(3, 121, 80)
+    lengths = torch.full((3,), 121)
+    a, al = model.encoder.pre_encode(x=f, lengths=lengths)
+    b, bl = eng._pre_encode(f, lengths, True)
+    assert torch.equal(a, b) and torch.equal(al, bl)

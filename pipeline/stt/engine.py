@@ -77,6 +77,8 @@ class STTEngine:
         if getattr(model.joint, "num_extra_outputs", 0):
             raise NotImplementedError("TDT / multi-output joints are not supported by the greedy RNNT step")
         self.preprocessor = model.preprocessor
+        self._fast_feats = self._fast_features_ok()
+        self._fast_pre = self._fast_pre_ok()
         self.n_first, self.n_next = sc.chunk_size  # mel frames: first chunk, later chunks
         self.nemo_framing = cfg.framing == "nemo"
         self._ctx = 1 if self.nemo_framing else _CTX_FRAMES  # mel frames of left audio context per chunk
@@ -333,7 +335,7 @@ class STTEngine:
             audio[b, : len(s)] = s
         x = torch.from_numpy(audio).to(dev, dt, non_blocking=True)
         x_len = torch.from_numpy(seg_len).to(dev)
-        feats, _ = self.preprocessor(input_signal=x, length=x_len)
+        feats = self._features(x, x_len)
         span = max(max(nfr), self.n_next)
         if feats.shape[-1] < self._ctx + span:
             feats = torch.nn.functional.pad(feats, (0, self._ctx + span - feats.shape[-1]))
@@ -353,14 +355,16 @@ class STTEngine:
             r = self._index(rows)
             if is_first:
                 x_g = new.index_select(0, r)[:, :, : self.n_first]
-                o, ol = self.enc.pre_encode(x=x_g.transpose(1, 2), lengths=n_t.index_select(0, r))
+                full = all(nfr[b] >= self.n_first for b in rows)
+                o, ol = self._pre_encode(x_g.transpose(1, 2), n_t.index_select(0, r), full)
                 ol = ol.long()
             else:
                 x_g = torch.cat(
                     [self.mel_cache.index_select(0, idx.index_select(0, r)), new.index_select(0, r)[:, :, : self.n_next]],
                     dim=-1,
                 )
-                o, ol = self.enc.pre_encode(x=x_g.transpose(1, 2), lengths=n_t.index_select(0, r) + self.pre_cache)
+                full = all(nfr[b] >= self.n_next for b in rows)
+                o, ol = self._pre_encode(x_g.transpose(1, 2), n_t.index_select(0, r) + self.pre_cache, full)
                 o, ol = o[:, self.drop_extra :], (ol.long() - self.drop_extra).clamp(min=0)
             pre_parts.append(o)
             len_parts.append(ol)
@@ -418,6 +422,76 @@ class STTEngine:
                 st.last_token_frame = st.enc_frames + int(fr[m][-1])
                 st.endpointed = False
             st.enc_frames += int(host[b, 2 * I])
+
+    def _fast_pre_ok(self) -> bool:
+        from nemo.collections.asr.parts.submodules.subsampling import MaskedConvSequential
+
+        pe = self.enc.pre_encode
+        return (
+            isinstance(getattr(pe, "conv", None), MaskedConvSequential)
+            and getattr(pe, "conv2d_subsampling", False)
+            and getattr(pe, "subsampling_conv_chunking_factor", None) == 1
+            and not pe.training
+        )
+
+    def _pre_encode(self, x: torch.Tensor, lengths: torch.Tensor, full: bool):
+        """``enc.pre_encode(x, lengths)``. When every row is full-length (host-known), NeMo's
+        MaskedConvSequential multiplies each layer's input by an all-ones time mask: skip those
+        multiplies (x * 1 == x exactly) and the mask building; lengths are then the output width."""
+        pe = self.enc.pre_encode
+        if not (full and self._fast_pre) or x.numel() > 2**31 / pe._conv_channels * pe._stride * pe._stride:
+            return pe(x=x, lengths=lengths)
+        h = x.unsqueeze(1).contiguous()
+        for layer in pe.conv:
+            h = layer(h)
+        b, _, t, _ = h.shape
+        out = pe.out(h.transpose(1, 2).reshape(b, t, -1))
+        return out, torch.full((b,), t, dtype=torch.long, device=out.device)
+
+    def _fast_features_ok(self) -> bool:
+        f = self.preprocessor.featurizer
+        return (
+            type(f).__name__ == "FilterbankFeatures"
+            and not f.training
+            and not self.preprocessor.training
+            and getattr(f, "stft_pad_amount", None) is None
+            and not getattr(f, "exact_pad", False)
+            and not getattr(f, "use_grads", False)
+            and getattr(f, "frame_splicing", 1) == 1
+            and (not f.normalize or str(f.normalize).lower() in ("na", "none"))  # normalize_batch: identity
+            and f.pad_to == 0
+            and bool(f.log)
+            and f.log_zero_guard_type in ("add", "clamp")
+            and int(f.n_fft) % 2 == 0
+        )
+
+    def _features(self, x: torch.Tensor, x_len: torch.Tensor) -> torch.Tensor:
+        """``model.preprocessor(x, x_len)[0]``, op for op, except the STFT magnitude: NeMo's
+        ``sqrt(view_as_real(s).pow(2).sum(-1))`` reduces a size-2 inner dim (slow on CPU); re*re + im*im
+        is the same two-term float sum, so the features are bitwise equal."""
+        if not self._fast_feats:
+            return self.preprocessor(input_signal=x, length=x_len)[0]
+        f = self.preprocessor.featurizer
+        x = x.to(torch.float32)
+        seq_len = torch.floor_divide(x_len + f.n_fft // 2 * 2 - f.n_fft, f.hop_length).to(torch.long)
+        seq_len = torch.where(x_len == 0, torch.zeros_like(seq_len), seq_len)
+        if f.preemph is not None:
+            timemask = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < x_len.unsqueeze(1)
+            x = torch.cat((x[:, 0].unsqueeze(1), x[:, 1:] - f.preemph * x[:, :-1]), dim=1)
+            x = x.masked_fill(~timemask, 0.0)
+        s = torch.view_as_real(f.stft(x))
+        re, im = s[..., 0], s[..., 1]
+        x = torch.sqrt(re * re + im * im)
+        if f.mag_power != 1.0:
+            x = x.pow(f.mag_power)
+        x = torch.matmul(f.fb.to(x.dtype), x)
+        if f.log_zero_guard_type == "add":
+            x = torch.log(x + f.log_zero_guard_value_fn(x))
+        else:
+            x = torch.log(torch.clamp(x, min=f.log_zero_guard_value_fn(x)))
+        mask = torch.arange(x.size(-1), device=x.device).repeat(x.size(0), 1) >= seq_len.unsqueeze(1)
+        x = x.masked_fill(mask.unsqueeze(1), f.pad_value)
+        return x.to(self.preprocessor.dtype_sentinel_tensor.dtype)
 
     def _encode_layers(self, pre, pre_len, cache_ch, cache_t, cache_len):
         out = self.enc.forward_internal(
