@@ -239,13 +239,19 @@ def build_tiny_model(cfg: STTConfig):
     from nemo.collections.asr.models import EncDecRNNTBPEModel
 
     tok_dir = tiny_tokenizer_dir(cfg.cache_dir)
+    return _random_model(EncDecRNNTBPEModel, tiny_model_config(tok_dir), cfg, calibrate_blank_bias)
+
+
+def _random_model(model_cls, model_cfg, cfg: STTConfig, calibrate):
+    """Build a random-weight model from ``model_cfg`` (seeded), condition its joint and set the
+    blank bias: ``cfg.blank_bias``, or the one ``calibrate(model)`` finds for ~0.3 tokens/frame."""
     torch.manual_seed(cfg.seed)
-    model = EncDecRNNTBPEModel(cfg=tiny_model_config(tok_dir), trainer=None)
+    model = model_cls(cfg=model_cfg, trainer=None)
     model = model.to(cfg.device).eval()
     model.encoder.set_default_att_context_size(list(cfg.att_context_size))
     condition_random_joint(model)
     if cfg.blank_bias is None:
-        bias, rate = calibrate_blank_bias(model)
+        bias, rate = calibrate(model)
         model._gapless_calibration = {"blank_bias": bias, "tokens_per_frame": rate}
     else:
         set_blank_bias(model, cfg.blank_bias)
@@ -366,14 +372,4 @@ def build_shaped_model(shape: str, cfg: STTConfig):
     from nemo.collections.asr.models import EncDecRNNTBPEModel
 
     tok_dir = tiny_tokenizer_dir(cfg.cache_dir, vocab_size=MODEL_SHAPES[shape]["vocab"])
-    torch.manual_seed(cfg.seed)
-    model = EncDecRNNTBPEModel(cfg=shaped_model_config(tok_dir, shape), trainer=None)
-    model = model.to(cfg.device).eval()
-    model.encoder.set_default_att_context_size(list(cfg.att_context_size))
-    condition_random_joint(model)
-    if cfg.blank_bias is None:
-        bias, rate = calibrate_blank_bias_cached(model)
-        model._gapless_calibration = {"blank_bias": bias, "tokens_per_frame": rate}
-    else:
-        set_blank_bias(model, cfg.blank_bias)
-    return model
+    return _random_model(EncDecRNNTBPEModel, shaped_model_config(tok_dir, shape), cfg, calibrate_blank_bias_cached)
