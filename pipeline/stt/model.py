@@ -217,12 +217,17 @@ def calibrate_blank_bias(model, target_rate: float = 0.3, seconds: float = 20.0)
     """Bisect the blank bias so greedy decoding emits ~target_rate tokens/encoder frame on speech_like_audio."""
     pcm = speech_like_audio(seconds, seed=1234)
     frames = encoder_frames(len(pcm))
+    return _bisect_blank_bias(model, target_rate, lambda: len(offline_tokens(model, pcm)) / frames)
+
+
+def _bisect_blank_bias(model, target_rate: float, rate_now) -> tuple[float, float]:
+    """Bisect the blank bias until ``rate_now()`` (tokens/frame at the bias set) is nearest the target."""
     lo, hi = -5.0, 30.0
     best = (float("inf"), 0.0, 0.0)  # (|rate - target|, bias, rate): the rate is a steep step function
     for _ in range(20):
         mid = 0.5 * (lo + hi)
         set_blank_bias(model, mid)
-        rate = len(offline_tokens(model, pcm)) / frames
+        rate = rate_now()
         best = min(best, (abs(rate - target_rate), mid, rate))
         if rate > target_rate:
             lo = mid
@@ -341,26 +346,17 @@ def calibrate_blank_bias_cached(model, target_rate: float = 0.3, seconds: float 
         x = torch.as_tensor(pcm, device=dev)[None]
         feats, feat_len = model.preprocessor(input_signal=x, length=torch.tensor([x.shape[1]], device=dev))
         encs.append(model.encoder(audio_signal=feats, length=feat_len))
-    lo, hi = -5.0, 30.0
-    best = (float("inf"), 0.0, 0.0)
-    for _ in range(20):
-        mid = 0.5 * (lo + hi)
-        set_blank_bias(model, mid)
+
+    def rate_now() -> float:
         n_tok = 0
         for enc, enc_len in encs:
             hyps = model.decoding.rnnt_decoder_predictions_tensor(
                 encoder_output=enc, encoded_lengths=enc_len, return_hypotheses=True
             )
             n_tok += len(hyps[0].y_sequence)
-        rate = n_tok / frames
-        best = min(best, (abs(rate - target_rate), mid, rate))
-        if rate > target_rate:
-            lo = mid
-        else:
-            hi = mid
-    _, bias, rate = best
-    set_blank_bias(model, bias)
-    return bias, rate
+        return n_tok / frames
+
+    return _bisect_blank_bias(model, target_rate, rate_now)
 
 
 def build_shaped_model(shape: str, cfg: STTConfig):
