@@ -17,6 +17,7 @@ import torch
 
 from pipeline.stt.config import STTConfig
 from pipeline.stt.decoding import PredictionStep, greedy_decode_chunk
+from pipeline.stt.subsampling import CausalDwStriding
 
 _CTX_FRAMES = 2  # mel frames of left audio context per chunk (window 512 > hop 160 * 2 + 1 pre-emphasis sample)
 
@@ -78,7 +79,7 @@ class STTEngine:
             raise NotImplementedError("TDT / multi-output joints are not supported by the greedy RNNT step")
         self.preprocessor = model.preprocessor
         self._fast_feats = self._fast_features_ok()
-        self._fast_pre = self._fast_pre_ok()
+        self._fast_pre = CausalDwStriding(enc.pre_encode) if CausalDwStriding.supports(enc.pre_encode) else None
         self.n_first, self.n_next = sc.chunk_size  # mel frames: first chunk, later chunks
         self.nemo_framing = cfg.framing == "nemo"
         self._ctx = 1 if self.nemo_framing else _CTX_FRAMES  # mel frames of left audio context per chunk
@@ -423,30 +424,13 @@ class STTEngine:
                 st.endpointed = False
             st.enc_frames += int(host[b, 2 * I])
 
-    def _fast_pre_ok(self) -> bool:
-        from nemo.collections.asr.parts.submodules.subsampling import MaskedConvSequential
-
-        pe = self.enc.pre_encode
-        return (
-            isinstance(getattr(pe, "conv", None), MaskedConvSequential)
-            and getattr(pe, "conv2d_subsampling", False)
-            and getattr(pe, "subsampling_conv_chunking_factor", None) == 1
-            and not pe.training
-        )
-
-    def _pre_encode(self, x: torch.Tensor, lengths: torch.Tensor, full: bool):
-        """``enc.pre_encode(x, lengths)``. When every row is full-length (host-known), NeMo's
-        MaskedConvSequential multiplies each layer's input by an all-ones time mask: skip those
-        multiplies (x * 1 == x exactly) and the mask building; lengths are then the output width."""
-        pe = self.enc.pre_encode
-        if not (full and self._fast_pre) or x.numel() > 2**31 / pe._conv_channels * pe._stride * pe._stride:
-            return pe(x=x, lengths=lengths)
-        h = x.unsqueeze(1).contiguous()
-        for layer in pe.conv:
-            h = layer(h)
-        b, _, t, _ = h.shape
-        out = pe.out(h.transpose(1, 2).reshape(b, t, -1))
-        return out, torch.full((b,), t, dtype=torch.long, device=out.device)
+    def _pre_encode(self, x: torch.Tensor, lengths: torch.Tensor, full: bool = False):
+        """``enc.pre_encode(x, lengths)``: the channels-last matmul form when the encoder's subsampling
+        is causal dw_striding (``pipeline/stt/subsampling.py``), else NeMo's module. ``full``: every
+        row is known (on the host) to be full-length, so no time masks are needed."""
+        if self._fast_pre is not None:
+            return self._fast_pre(x, lengths, full)
+        return self.enc.pre_encode(x=x, lengths=lengths)
 
     def _fast_features_ok(self) -> bool:
         f = self.preprocessor.featurizer
