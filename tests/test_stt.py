@@ -259,6 +259,48 @@ def test_unrolled_lstm_matches_library(tiny):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("max_symbols", [1, 2, 3])
+def test_label_looping_equals_frame_looping(tiny, max_symbols):
+    """The label-looping decoder (an iteration per label) emits the same labels on the same frames and
+    ends in the same prediction state as frame looping (an iteration per frame), rows of different
+    lengths in one batch; the blank bias is varied so rows range from silent to emitting every frame."""
+    from pipeline.stt.decoding import PredictionStep, greedy_decode_chunk, label_loop_decode_chunk
+
+    _, model = tiny
+    pred = PredictionStep(model.decoder, True)
+    joint, blank = model.joint, model.decoder.blank_idx
+    gen = torch.Generator().manual_seed(max_symbols)
+    B, T, L, H = 6, 14, pred.num_layers, pred.hidden
+    f = torch.randn(B, T, joint.joint_hidden, generator=gen) * 2
+    f_len = torch.tensor([14, 0, 9, 14, 1, 5])
+    h, c = torch.randn(L, B, H, generator=gen), torch.randn(L, B, H, generator=gen)
+    g = joint.project_prednet(torch.randn(B, H, generator=gen))
+    base = float(_joint_bias(model)[blank])
+    seen = set()
+    try:
+        for bias in (-30.0, -3.0, 0.0, 1.0, 3.0, 30.0):
+            _joint_bias(model)[blank] = base + bias
+            with torch.inference_mode():
+                fl = greedy_decode_chunk(joint, pred, blank, max_symbols, f, f_len, g, h, c)
+                ll = label_loop_decode_chunk(joint, pred, blank, max_symbols, f, f_len, g, h, c)
+            emitted = lambda out: [
+                [(int(lab), int(fr)) for lab, fr in zip(out[0][b], out[1][b]) if lab >= 0] for b in range(B)
+            ]
+            assert emitted(ll) == emitted(fl), bias
+            for x, y in zip(ll[2:], fl[2:]):
+                torch.testing.assert_close(x, y, rtol=0, atol=0)
+            n = sum(len(r) for r in emitted(fl))
+            seen.add(min(n, 1) if n < int(f_len.sum()) * max_symbols else 2)
+            assert all(not r for r, n_b in zip(emitted(fl), f_len) if n_b == 0)
+    finally:
+        _joint_bias(model)[blank] = base
+    assert seen == {0, 1, 2}, seen  # silent, some labels, and every frame at max_symbols
+
+
+def _joint_bias(model) -> torch.Tensor:
+    return [m for m in model.joint.joint_net.modules() if isinstance(m, torch.nn.Linear)][-1].bias.data
+
+
 def _split_last(engine):
     """Make ``engine`` take the old path: last chunks in their own _advance call after the others."""
     advance = engine._advance

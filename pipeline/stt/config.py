@@ -20,6 +20,9 @@ class STTConfig:
     compile: bool = False  # torch.compile the encoder layers
     blank_bias: Optional[float] = None  # added to the blank logit; None = calibrated (tiny) / 0 (real)
     unrolled_lstm: bool = True  # prediction-net step with torch.lstm_cell instead of nn.LSTM
+    # greedy RNNT over a chunk: "label_loop" (an iteration per emitted label, the joint on all frames
+    # at once) or "frame_loop" (an iteration per frame or label, the joint on one frame); same tokens
+    decoder: str = "label_loop"
     # "exact": features and first chunk as an offline pass (tokens equal offline_tokens);
     # "nemo": chunking of NeMo's CacheAwareRNNTPipeline (1-hop audio look-back per chunk, every chunk
     # full-size after a silent mel pre-encode cache) - same tokens as that pipeline (benchmarks)
@@ -45,6 +48,8 @@ class STTConfig:
             self.model = self.REAL_MODEL
         if self.framing not in ("exact", "nemo"):
             raise ValueError(f"STTConfig.framing must be 'exact' or 'nemo', got {self.framing!r}")
+        if self.decoder not in ("label_loop", "frame_loop"):
+            raise ValueError(f"STTConfig.decoder must be 'label_loop' or 'frame_loop', got {self.decoder!r}")
         self.att_context_size = [int(x) for x in self.att_context_size]
         if self.num_slots < 1:
             raise ValueError("STTConfig.num_slots must be >= 1")

@@ -107,3 +107,57 @@ def greedy_decode_chunk(
         empty = torch.empty(B, 0, dtype=torch.long, device=dev)
         return empty, empty, g, h, c
     return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, h, c
+
+
+@torch.inference_mode()
+def label_loop_decode_chunk(
+    joint,
+    pred: PredictionStep,
+    blank: int,
+    max_symbols: int,
+    f: torch.Tensor,  # [B, T, Hj] projected encoder output of this chunk
+    f_len: torch.Tensor,  # [B] valid frames
+    g: torch.Tensor,  # [B, Hj]
+    h: torch.Tensor,  # [L, B, H]
+    c: torch.Tensor,  # [L, B, H]
+    check_every: int = 1,
+):
+    """``greedy_decode_chunk`` by label looping: one iteration per emitted label instead of per frame.
+
+    With the prediction state fixed, frame looping walks over blank frames until the first frame
+    whose best label is not blank; here the joint is evaluated on every frame of the chunk at once
+    and each row jumps to its first non-blank frame at or after its position. Same decisions, same
+    ``max_symbols`` rule (after that many labels on one frame, move to the next), so the same labels
+    and frames; about (labels per row + 1) iterations instead of (frames + labels): fewer, larger
+    operations, which is what an overhead-bound step wants. The joint over all frames costs
+    ``T`` times a one-frame joint, so for a large vocabulary and joint on a slow device the frame
+    loop can be cheaper (``STTConfig.decoder``).
+    """
+    B, T, _ = f.shape
+    dev = f.device
+    frame = torch.arange(T, device=dev)[None, :]
+    t = torch.zeros(B, dtype=torch.long, device=dev)
+    sym = torch.zeros(B, dtype=torch.long, device=dev)
+    out_labels, out_frames = [], []
+    for it in range(T * max_symbols + 1):  # each iteration emits >= 1 label or ends every row
+        k = joint.joint_after_projection(f, g[:, None, :])[:, :, 0, :].argmax(dim=-1)  # [B, T]
+        cand = (k != blank) & (frame >= t[:, None]) & (frame < f_len[:, None])
+        emit = cand.any(dim=1)
+        at = cand.to(torch.uint8).argmax(dim=1)  # first candidate frame (first maximum)
+        lab = k.gather(1, at[:, None])[:, 0]
+        if it % check_every == 0 and not bool(emit.any()):
+            break
+        out_labels.append(torch.where(emit, lab, -1))
+        out_frames.append(at)
+        g_new, h_new, c_new = pred(torch.where(emit, lab, blank), h, c)
+        g = torch.where(emit[:, None], joint.project_prednet(g_new), g)
+        h = torch.where(emit[None, :, None], h_new, h)
+        c = torch.where(emit[None, :, None], c_new, c)
+        sym = torch.where(emit, torch.where(at == t, sym + 1, 1), 0)
+        step_on = sym >= max_symbols
+        t = torch.where(emit, at + step_on.long(), torch.maximum(t, f_len))
+        sym = torch.where(step_on, 0, sym)
+    if not out_labels:
+        empty = torch.empty(B, 0, dtype=torch.long, device=dev)
+        return empty, empty, g, h, c
+    return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, h, c

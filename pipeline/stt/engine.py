@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pipeline.stt.config import STTConfig
-from pipeline.stt.decoding import PredictionStep, greedy_decode_chunk
+from pipeline.stt.decoding import PredictionStep, greedy_decode_chunk, label_loop_decode_chunk
 from pipeline.stt.subsampling import CausalDwStriding
 
 _CTX_FRAMES = 2  # mel frames of left audio context per chunk (window 512 > hop 160 * 2 + 1 pre-emphasis sample)
@@ -98,6 +98,7 @@ class STTEngine:
         self.max_symbols = int(greedy.get("max_symbols", None) or 10)
         self.pred = PredictionStep(model.decoder, unrolled=cfg.unrolled_lstm)
         self.tokenizer = model.tokenizer
+        self._decode = label_loop_decode_chunk if cfg.decoder == "label_loop" else greedy_decode_chunk
         S = cfg.num_slots
         self.num_slots = S
         # --- per-slot device state ---
@@ -397,7 +398,7 @@ class STTEngine:
 
         # ---- greedy RNNT over the chunk with carried per-slot decoder state
         f = self.model.joint.project_encoder(enc_out.transpose(1, 2))
-        labels, frames, g, h, c = greedy_decode_chunk(
+        labels, frames, g, h, c = self._decode(
             self.model.joint,
             self.pred,
             self.blank,
