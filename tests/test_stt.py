@@ -301,6 +301,44 @@ def _joint_bias(model) -> torch.Tensor:
     return [m for m in model.joint.joint_net.modules() if isinstance(m, torch.nn.Linear)][-1].bias.data
 
 
+@torch.inference_mode()
+def test_kv_cache_layers_equal_nemo_layers(tiny):
+    """Five consecutive steps of the encoder layers with projected K/V caches equal NeMo's layer loop
+    with its input caches (outputs on valid frames, conv caches, cache lengths; the K/V caches equal
+    NeMo's cached inputs projected), from empty caches on, with a short row and a row joining late."""
+    from pipeline.stt.encoder import KVCacheLayersStep, NemoLayersStep
+
+    _, model = tiny
+    enc = model.encoder
+    kv, ref = KVCacheLayersStep(enc), NemoLayersStep(enc)
+    eng = _engine(tiny)
+    assert isinstance(eng.enc_step, KVCacheLayersStep)
+    assert isinstance(_engine(tiny, kv_cache=False).enc_step, NemoLayersStep)
+    B, T, d = 3, eng.out_len, enc.d_model
+    gen = torch.Generator().manual_seed(3)
+    kv_caches = [torch.zeros((s[0], B, *s[2:])) for s in kv.cache_shapes()]
+    ref_caches = [torch.zeros((s[0], B, *s[2:])) for s in ref.cache_shapes()]
+    kv_len, ref_len = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    for step in range(5):
+        pre = torch.randn(B, T, d, generator=gen)
+        pre_len = torch.tensor([T, T if step < 4 else 5, T])
+        if step < 2:  # row 2 joins at step 2: reset its caches
+            for c in kv_caches + ref_caches:
+                c[:, 2] = 0
+            kv_len[2] = ref_len[2] = 0
+        a, al, kv_caches, kv_len = kv(pre, pre_len, kv_caches, kv_len)
+        b, bl, ref_caches, ref_len = ref(pre, pre_len, ref_caches, ref_len)
+        assert torch.equal(al, bl) and torch.equal(kv_len, ref_len)
+        for row, n in enumerate(bl.tolist()):
+            torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(kv_caches[2], ref_caches[1], rtol=1e-4, atol=1e-5)
+        for i, layer in enumerate(enc.layers):
+            n = int(ref_len.min())
+            for mine, lin in ((kv_caches[0], layer.self_attn.linear_k), (kv_caches[1], layer.self_attn.linear_v)):
+                torch.testing.assert_close(mine[i][:, -n:], lin(ref_caches[0][i])[:, -n:], rtol=1e-4, atol=1e-5)
+    assert int(ref_len.max()) == eng.enc.streaming_cfg.last_channel_cache_size  # the cache filled up
+
+
 def _split_last(engine):
     """Make ``engine`` take the old path: last chunks in their own _advance call after the others."""
     advance = engine._advance

@@ -23,6 +23,9 @@ class STTConfig:
     # greedy RNNT over a chunk: "label_loop" (an iteration per emitted label, the joint on all frames
     # at once) or "frame_loop" (an iteration per frame or label, the joint on one frame); same tokens
     decoder: str = "label_loop"
+    # self-attention caches the keys/values of the last 70 frames (projected once) instead of NeMo's
+    # cached inputs (re-projected every step); falls back to NeMo's layers where unsupported
+    kv_cache: bool = True
     # "exact": features and first chunk as an offline pass (tokens equal offline_tokens);
     # "nemo": chunking of NeMo's CacheAwareRNNTPipeline (1-hop audio look-back per chunk, every chunk
     # full-size after a silent mel pre-encode cache) - same tokens as that pipeline (benchmarks)

@@ -17,6 +17,7 @@ import torch
 
 from pipeline.stt.config import STTConfig
 from pipeline.stt.decoding import PredictionStep, greedy_decode_chunk, label_loop_decode_chunk
+from pipeline.stt.encoder import KVCacheLayersStep, NemoLayersStep
 from pipeline.stt.subsampling import CausalDwStriding
 
 _CTX_FRAMES = 2  # mel frames of left audio context per chunk (window 512 > hop 160 * 2 + 1 pre-emphasis sample)
@@ -102,8 +103,15 @@ class STTEngine:
         S = cfg.num_slots
         self.num_slots = S
         # --- per-slot device state ---
-        ch, tm, ch_len = enc.get_initial_cache_state(batch_size=S, dtype=self.dtype, device=self.device)
-        self.cache_ch, self.cache_t, self.cache_len = ch, tm, ch_len
+        # encoder caches, [L, slot, ...] each: projected keys/values + conv inputs (KVCacheLayersStep),
+        # or NeMo's cache_last_channel/cache_last_time; plus cache_last_channel_len [slot]
+        kv = cfg.kv_cache and KVCacheLayersStep.supports(enc)
+        self.enc_step = KVCacheLayersStep(enc) if kv else NemoLayersStep(enc)
+        self.caches = [
+            torch.zeros((shape[0], S, *shape[2:]), dtype=self.dtype, device=self.device)
+            for shape in self.enc_step.cache_shapes()
+        ]
+        self.cache_len = torch.zeros(S, dtype=torch.long, device=self.device)
         self.mel_cache = torch.full(
             (S, enc._feat_in, self.pre_cache), self._mel_zero, dtype=self.dtype, device=self.device
         )
@@ -126,9 +134,9 @@ class STTEngine:
         self._streams: dict[str, _Stream] = {}
         self._free = list(range(S))
         self._idx_cache: dict[tuple, torch.Tensor] = {}
-        self._layers = self._encode_layers
+        self._layers = self.enc_step.__call__
         if cfg.compile:
-            self._layers = torch.compile(self._encode_layers, dynamic=False)
+            self._layers = torch.compile(self.enc_step.__call__, dynamic=False)
 
     @classmethod
     def from_config(cls, cfg: STTConfig) -> "STTEngine":
@@ -289,8 +297,8 @@ class STTEngine:
     @torch.inference_mode()
     def _reset_slots(self, slots: list[int]) -> None:
         idx = self._index(slots)
-        self.cache_ch[:, idx] = 0
-        self.cache_t[:, idx] = 0
+        for cache in self.caches:
+            cache[:, idx] = 0
         self.cache_len[idx] = 0
         self.mel_cache[idx] = self._mel_zero
         self.h[:, idx] = self.h0[:, None]
@@ -385,15 +393,16 @@ class STTEngine:
             pre, pre_len = pre.index_select(0, inv), pre_len.index_select(0, inv)
 
         # ---- encoder layers, one call for the whole batch, on gathered caches
-        enc_out, enc_len, ch, tm, ch_len = self._layers(
+        extra = {"pos": self.enc_step.positions(pre.shape[1])} if isinstance(self.enc_step, KVCacheLayersStep) else {}
+        enc_out, enc_len, caches, ch_len = self._layers(
             pre,
             pre_len,
-            self.cache_ch.index_select(1, idx),
-            self.cache_t.index_select(1, idx),
+            [cache.index_select(1, idx) for cache in self.caches],
             self.cache_len.index_select(0, idx),
+            **extra,
         )
-        self.cache_ch.index_copy_(1, idx, ch)
-        self.cache_t.index_copy_(1, idx, tm)
+        for cache, new in zip(self.caches, caches):
+            cache.index_copy_(1, idx, new)
         self.cache_len.index_copy_(0, idx, ch_len)
 
         # ---- greedy RNNT over the chunk with carried per-slot decoder state
@@ -477,17 +486,6 @@ class STTEngine:
         mask = torch.arange(x.size(-1), device=x.device).repeat(x.size(0), 1) >= seq_len.unsqueeze(1)
         x = x.masked_fill(mask.unsqueeze(1), f.pad_value)
         return x.to(self.preprocessor.dtype_sentinel_tensor.dtype)
-
-    def _encode_layers(self, pre, pre_len, cache_ch, cache_t, cache_len):
-        out = self.enc.forward_internal(
-            pre,
-            pre_len,
-            cache_last_channel=cache_ch,
-            cache_last_time=cache_t,
-            cache_last_channel_len=cache_len,
-            bypass_pre_encode=True,
-        )
-        return self.enc.streaming_post_process(out, keep_all_outputs=True)
 
     def _events(self, st: _Stream) -> list[STTEvent]:
         events = []

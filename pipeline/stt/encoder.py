@@ -1,0 +1,186 @@
+"""One streaming step of the cache-aware FastConformer's layers, for a batch of slots.
+
+Two implementations behind one interface (``cache_shapes``, ``__call__``):
+
+``NemoLayersStep`` calls NeMo's ``ConformerEncoder.forward_internal`` (``bypass_pre_encode``) with
+its own cache format: per layer the last ``C`` (70) *inputs* of self-attention
+(``cache_last_channel``), the convolution module's last inputs (``cache_last_time``) and the valid
+cache length (``cache_last_channel_len``).
+
+``KVCacheLayersStep`` keeps the attention keys and values of those ``C`` frames instead of the
+frames themselves. NeMo's attention recomputes ``linear_k`` and ``linear_v`` over ``C + T`` frames
+every step (``update_cache`` concatenates the cached inputs before ``forward_qkv``), although only
+the ``T`` new frames changed: at the [70, 13] chunk that is 84 rows projected for 14 new ones,
+about a third of the layer's multiply-adds. Here the new frames are projected once and the cached
+projections are reused; the positional projection ``linear_pos(pos_emb)`` depends only on the
+(fixed) chunk shape and is computed once per weight version. Everything else is NeMo's modules and
+NeMo's order of operations (feed-forward, masks, relative-position scores, softmax, convolution
+module with its cache); results equal NeMo's to float rounding (``tests/test_stt.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+INF_VAL = 10000.0  # NeMo's masked-score value (multi_head_attention.INF_VAL)
+
+
+def _layer_attention_ok(layer) -> bool:
+    from nemo.collections.asr.parts.submodules.multi_head_attention import RelPositionMultiHeadAttention
+
+    attn = getattr(layer, "self_attn", None)
+    adapters = getattr(layer, "is_adapter_available", lambda: False)()
+    return (
+        type(attn) is RelPositionMultiHeadAttention
+        and getattr(layer, "self_attention_model", None) == "rel_pos"
+        and not adapters
+        and not layer.training
+    )
+
+
+class NemoLayersStep:
+    """NeMo's own layer loop with its input caches."""
+
+    def __init__(self, enc):
+        self.enc = enc
+
+    def cache_shapes(self) -> list[tuple]:
+        """Per-slot cache tensors as [L, slot, ...] shapes (slot dim 1), in the order __call__ takes them."""
+        sc = self.enc.streaming_cfg
+        L, d = len(self.enc.layers), self.enc.d_model
+        return [(L, 1, sc.last_channel_cache_size, d), (L, 1, d, self._time_cache())]
+
+    def _time_cache(self) -> int:
+        ch, tm, _ = self.enc.get_initial_cache_state(batch_size=1)
+        return tm.shape[-1]
+
+    def __call__(self, pre, pre_len, caches: list[torch.Tensor], cache_len: torch.Tensor):
+        out = self.enc.forward_internal(
+            pre,
+            pre_len,
+            cache_last_channel=caches[0],
+            cache_last_time=caches[1],
+            cache_last_channel_len=cache_len,
+            bypass_pre_encode=True,
+        )
+        enc_out, enc_len, ch, tm, ch_len = self.enc.streaming_post_process(out, keep_all_outputs=True)
+        return enc_out, enc_len, [ch, tm], ch_len
+
+
+class KVCacheLayersStep(NemoLayersStep):
+    """The same step with projected key/value caches (see the module docstring)."""
+
+    @staticmethod
+    def supports(enc) -> bool:
+        return (
+            not enc.training
+            and enc.att_context_style in ("chunked_limited", "regular")
+            and getattr(enc, "reduction_position", None) is None
+            and getattr(enc, "out_proj", None) is None
+            and enc.streaming_cfg.last_channel_cache_size > 0
+            and all(_layer_attention_ok(layer) for layer in enc.layers)
+        )
+
+    def __init__(self, enc):
+        if not self.supports(enc):
+            raise ValueError("KVCacheLayersStep needs rel_pos self-attention layers without adapters, in eval")
+        super().__init__(enc)
+        self._pos_key = None
+        self._pos: list[torch.Tensor] = []
+
+    def cache_shapes(self) -> list[tuple]:
+        sc = self.enc.streaming_cfg
+        L, d = len(self.enc.layers), self.enc.d_model
+        C = sc.last_channel_cache_size
+        return [(L, 1, C, d), (L, 1, C, d), (L, 1, d, self._time_cache())]
+
+    def positions(self, T: int) -> list[torch.Tensor]:
+        """``linear_pos(pos_emb)`` per layer as [1, heads, P, d_k] for chunks of ``T`` frames after a full
+        cache; recomputed when ``T`` or a weight changes. Call outside ``torch.compile`` (the engine
+        does) and pass the result in."""
+        ws = [layer.self_attn.linear_pos.weight for layer in self.enc.layers]
+        key = (T, tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws))
+        if key != self._pos_key:
+            with torch.inference_mode():
+                pos_emb = self.pos_emb(T)
+                self._pos = [
+                    layer.self_attn.linear_pos(pos_emb)
+                    .view(pos_emb.size(0), -1, layer.self_attn.h, layer.self_attn.d_k)
+                    .transpose(1, 2)
+                    for layer in self.enc.layers
+                ]
+            self._pos_key = key
+        return self._pos
+
+    def pos_emb(self, T: int) -> torch.Tensor:
+        """The relative position table NeMo's ``pos_enc`` returns for ``T`` new frames after a full cache."""
+        enc = self.enc
+        C = enc.streaming_cfg.last_channel_cache_size
+        w = enc.layers[0].self_attn.linear_pos.weight
+        x = torch.zeros(1, T, enc.d_model, dtype=w.dtype, device=w.device)
+        return enc.pos_enc(x=x, cache_len=C)[1].to(w.dtype)
+
+    def __call__(self, pre, pre_len, caches: list[torch.Tensor], cache_len: torch.Tensor, pos=None):
+        enc = self.enc
+        k_cache, v_cache, t_cache = caches
+        C = enc.streaming_cfg.last_channel_cache_size
+        B, T, _ = pre.shape
+        if pos is None:
+            pos = self.positions(T)
+        x, _ = enc.pos_enc(x=pre, cache_len=C)  # xscaling (the table is in `pos`)
+        pad_mask, att_mask = enc._create_masks(
+            att_context_size=enc.att_context_size,
+            padding_length=pre_len + C,
+            max_audio_length=T + C,
+            offset=C - cache_len,
+            device=pre.device,
+        )
+        pad_mask, att_mask = pad_mask[:, C:], att_mask[:, C:]
+        keep = T - enc.streaming_cfg.cache_drop_size
+        ks, vs, ts = [], [], []
+        for i, layer in enumerate(enc.layers):
+            residual = x + layer.feed_forward1(layer.norm_feed_forward1(x)) * layer.fc_factor
+            xn = layer.norm_self_att(residual)
+            att, k_next, v_next = self._attention(layer.self_attn, xn, att_mask, pos[i], k_cache[i], v_cache[i], keep)
+            residual = residual + att
+            conv, t_next = layer.conv(layer.norm_conv(residual), pad_mask=pad_mask, cache=t_cache[i])
+            residual = residual + conv
+            residual = residual + layer.feed_forward2(layer.norm_feed_forward2(residual)) * layer.fc_factor
+            x = layer.norm_out(residual)
+            ks.append(k_next)
+            vs.append(v_next)
+            ts.append(t_next)
+        out_len = torch.clamp(cache_len + keep, max=C)
+        return x.transpose(1, 2), pre_len, [torch.stack(ks), torch.stack(vs), torch.stack(ts)], out_len
+
+    @staticmethod
+    def _attention(attn, xn, mask, p, k_cache, v_cache, keep: int):
+        """RelPositionMultiHeadAttention.forward with cached projections (NeMo's order of operations)."""
+        B, T, _ = xn.shape
+        h, dk = attn.h, attn.d_k
+        k_new, v_new = attn.linear_k(xn), attn.linear_v(xn)
+        k = torch.cat([k_cache, k_new], 1)
+        v = torch.cat([v_cache, v_new], 1)
+        k_next = torch.cat([k_cache[:, keep:], k_new[:, :keep]], 1)
+        v_next = torch.cat([v_cache[:, keep:], v_new[:, :keep]], 1)
+        q = attn.linear_q(xn).view(B, T, h, dk)
+        k = k.view(B, -1, h, dk).transpose(1, 2)
+        v = v.view(B, -1, h, dk).transpose(1, 2)
+        q_u = (q + attn.pos_bias_u).transpose(1, 2)
+        q_v = (q + attn.pos_bias_v).transpose(1, 2)
+        bd = attn.rel_shift(torch.matmul(q_v, p.transpose(-2, -1)))
+        if attn.use_pytorch_sdpa:
+            bd = bd[:, :, :, : k.size(-2)] * (1 / dk**0.5)
+            m = mask.unsqueeze(1)
+            bd.masked_fill_(m, -INF_VAL)
+            if attn.use_pytorch_sdpa_backends:
+                with torch.nn.attention.sdpa_kernel(attn.use_pytorch_sdpa_backends):
+                    out = torch.nn.functional.scaled_dot_product_attention(q_u, k, v, attn_mask=bd)
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(q_u, k, v, attn_mask=bd)
+            out = out.masked_fill(torch.all(m, dim=-1).unsqueeze(-1).expand(-1, out.size(1), -1, out.size(-1)), 0.0)
+            out = attn.linear_out(out.transpose(1, 2).reshape(B, -1, h * dk))
+        else:
+            ac = torch.matmul(q_u, k.transpose(-2, -1))
+            scores = (ac + bd[:, :, :, : ac.size(-1)]) / attn.s_d_k
+            out = attn.forward_attention(v, scores, mask)
+        return out, k_next, v_next
