@@ -10,7 +10,7 @@ import ray
 
 from pipeline import metrics
 from pipeline.compile_guard import COUNTER
-from pipeline.runtime import InferenceThread, pin_torch_threads, threads_for_cpu_share
+from pipeline.runtime import InferenceThread, keep_large_allocations, pin_torch_threads, threads_for_cpu_share
 
 log = logging.getLogger("ray.serve")
 
@@ -31,6 +31,7 @@ class ModelReplica:
     def start_engine(self, name: str, load: Callable[[], Any]) -> None:
         threads = threads_for_cpu_share(replica_cpu_share())
         pin_torch_threads(threads)  # the process default, before any torch work
+        keep_large_allocations()  # no page faults on each step's big temporaries
         self.thread = InferenceThread(name, threads)
         t0 = time.perf_counter()
         compiles = metrics.COMPILES_AFTER_WARMUP.labels(deployment=name)

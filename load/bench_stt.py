@@ -1,7 +1,8 @@
 """Streaming STT throughput: our STTEngine vs NeMo's own CacheAwareRNNTPipeline, same model and audio.
 
     python -m load.bench_stt [--size tiny|large|full] [--streams 16] [--batch 16] [--chunk 13]
-                             [--device cpu] [--dtype float32] [--compile] [--json out.jsonl]
+                             [--device cpu|cuda] [--dtype float32|bfloat16] [--compile] [--repeats N]
+                             [--ablate] [--no-exact] [--offline-check] [--split-last] [--json out.jsonl]
 
 Both engines get the same model object (random weights, blank bias calibrated to ~0.3 tokens per
 encoder frame), the same preloaded synthetic speech-like clips of varied lengths, the same chunk
@@ -15,7 +16,8 @@ are in memory; NeMo's ``Frame`` objects are built before the clock starts).
 
 Reported per engine: RTFx (audio seconds / wall seconds of the stepping loop), per-step latency
 p50/p99, steps; then ``speedup`` = our RTFx / NeMo's, ``tokens_match`` (all streams token-identical)
-and ``streams_match``, and the token rate per encoder frame on the benchmark audio.
+and ``streams_match``, and the token rate per encoder frame on the benchmark audio. ``--ablate`` adds
+our engine with each speed-up switched off in turn, to show what each one buys.
 """
 from __future__ import annotations
 
@@ -26,6 +28,15 @@ import time
 from collections import deque
 
 import numpy as np
+
+
+# one speed-up at a time switched back to the library path (STTConfig fields)
+ABLATIONS = {
+    "no_kv_cache": {"kv_cache": False},  # NeMo's layer loop (re-projects the 70 cached inputs)
+    "frame_loop": {"decoder": "frame_loop"},  # an iteration per frame instead of per label
+    "no_fast_subsampling": {"fast_subsampling": False},  # NeMo's masked conv subsampling
+    "library_lstm": {"unrolled_lstm": False},  # nn.LSTM per prediction step
+}
 
 
 def nemo_pipeline_cfg(args, max_symbols: int):
@@ -252,16 +263,26 @@ def main(argv=None) -> int:
     ap.add_argument("--max-sec", type=float, default=None, help="longest clip (default by size)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine (alternating); best RTFx kept")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--glibc-malloc-defaults", action="store_true",
+                    help="leave glibc's mmap/trim thresholds alone (default: keep large allocations, as the "
+                         "STT replica does; applies to both engines alike)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--split-last", action="store_true",
                     help="also run ours with last chunks in their own batch (NeMo's batch shapes) and compare tokens")
     ap.add_argument("--offline-check", action="store_true", help="also compare both with an offline pass")
+    ap.add_argument("--no-exact", action="store_true", help="skip our default (offline-equal) framing")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also run ours with each speed-up switched off in turn (" + ", ".join(ABLATIONS) + ")")
     ap.add_argument("--json", default=None, help="append the JSON line(s) to this file")
     args = ap.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(args.threads)
+    if not args.glibc_malloc_defaults:
+        from pipeline.runtime import keep_large_allocations
+
+        keep_large_allocations()
     from pipeline.stt.config import STTConfig
     from pipeline.stt.engine import STTEngine
     from pipeline.stt.model import build_shaped_model, encoder_frames, offline_tokens
@@ -289,29 +310,34 @@ def main(argv=None) -> int:
 
     pipe = build_nemo_pipeline(model, args, max_symbols)  # casts the model to --dtype (use_amp false)
     model.to(dtype)
-    # ours with NeMo's chunking (same tokens as NeMo's pipeline) and with exact (offline-equal) framing
-    engine = STTEngine(model, STTConfig(**{**base_cfg.__dict__, "framing": "nemo"}))
-    exact = STTEngine(model, STTConfig(**{**base_cfg.__dict__, "framing": "exact"}))
+    # ours with NeMo's chunking (same tokens as NeMo's pipeline), our default offline-equal framing,
+    # and (--ablate) ours with one speed-up at a time switched back to the library/NeMo path
+    variants = {"ours": {"framing": "nemo"}}
+    if not args.no_exact:
+        variants["exact"] = {"framing": "exact"}
+    if args.ablate:
+        for name, off in ABLATIONS.items():
+            variants[name] = {"framing": "nemo", **off}
+    engines = {name: STTEngine(model, STTConfig(**{**base_cfg.__dict__, **kw})) for name, kw in variants.items()}
     t = time.perf_counter()
-    engine.warmup()
-    exact.warmup()
+    for eng in engines.values():
+        eng.warmup()
     warm_s = time.perf_counter() - t
-    # one untimed pass of each (allocator, first-call costs), then the timed runs
+    # one untimed pass of each (allocator, first-call costs), then the timed runs, alternating
     run_nemo(pipe, audios[: args.batch], args.batch)
-    best = {"ours": None, "nemo": None, "exact": None}
-    runners = {
-        "nemo": lambda: run_nemo(pipe, audios, args.batch),
-        "ours": lambda: run_ours(engine, audios, args.batch),
-        "exact": lambda: run_ours(exact, audios, args.batch),
-    }
+    runners = {"nemo": lambda: run_nemo(pipe, audios, args.batch)}
+    for name, eng in engines.items():
+        run_ours(eng, audios[: args.batch], args.batch)
+        runners[name] = lambda eng=eng: run_ours(eng, audios, args.batch)
+    best: dict = {name: None for name in runners}
     for _ in range(max(1, args.repeats)):
-        for name in ("nemo", "ours", "exact"):
-            res, toks = runners[name]()
+        for name, fn in runners.items():
+            res, toks = fn()
             res["rtfx"] = audio_s / res["wall_s"]
             if best[name] is None or res["rtfx"] > best[name][0]["rtfx"]:
                 best[name] = (res, toks)
-    (ours, our_toks), (nemo, nemo_toks), (ex, ex_toks) = best["ours"], best["nemo"], best["exact"]
-    split_toks = run_ours(engine, audios, args.batch, split_last=True)[1] if args.split_last else None
+    (ours, our_toks), (nemo, nemo_toks) = best["ours"], best["nemo"]
+    split_toks = run_ours(engines["ours"], audios, args.batch, split_last=True)[1] if args.split_last else None
     match = [a == b for a, b in zip(our_toks, nemo_toks)]
     frames = sum(encoder_frames(len(a)) for a in audios)
     row = {
@@ -320,11 +346,12 @@ def main(argv=None) -> int:
         "streams": args.streams,
         "batch": args.batch,
         "att_context_size": att,
-        "chunk_ms": int(engine.n_next * 10),
+        "chunk_ms": int(engines["ours"].n_next * 10),
         "device": args.device,
         "dtype": args.dtype,
         "compile": args.compile,
         "threads": args.threads,
+        "malloc": "glibc defaults" if args.glibc_malloc_defaults else "large allocations kept",
         "audio_s": round(audio_s, 2),
         "clip_s": [lo, hi],
         "ours_rtfx": round(ours["rtfx"], 2),
@@ -332,28 +359,35 @@ def main(argv=None) -> int:
         "speedup": round(ours["rtfx"] / nemo["rtfx"], 3),
         "tokens_match": all(match),
         "streams_match": f"{sum(match)}/{len(match)}",
-        "exact_rtfx": round(ex["rtfx"], 2),
-        "exact_speedup": round(ex["rtfx"] / nemo["rtfx"], 3),
         "ours_step_p50_ms": ours["step_p50_ms"],
         "ours_step_p99_ms": ours["step_p99_ms"],
         "ours_steps": ours["steps"],
         "nemo_step_p50_ms": nemo["step_p50_ms"],
         "nemo_step_p99_ms": nemo["step_p99_ms"],
         "nemo_steps": nemo["steps"],
-        "exact_step_p50_ms": ex["step_p50_ms"],
-        "exact_step_p99_ms": ex["step_p99_ms"],
         "tokens_per_frame": round(sum(len(t) for t in our_toks) / frames, 3),
         "nemo_tokens_per_frame": round(sum(len(t) for t in nemo_toks) / frames, 3),
         "calibrated_tokens_per_frame": round(cal.get("tokens_per_frame", float("nan")), 3),
         "max_symbols": max_symbols,
         "warmup_s": round(warm_s, 1),
     }
+    for name in engines:
+        if name == "ours":
+            continue
+        res, toks = best[name]
+        row[f"{name}_rtfx"] = round(res["rtfx"], 2)
+        row[f"{name}_speedup"] = round(res["rtfx"] / nemo["rtfx"], 3)
+        row[f"{name}_step_p50_ms"] = res["step_p50_ms"]
+        row[f"{name}_step_p99_ms"] = res["step_p99_ms"]
+        if name != "exact":
+            row[f"{name}_streams_match"] = f"{sum(a == b for a, b in zip(toks, nemo_toks))}/{len(audios)}"
     if split_toks is not None:
         row["split_last_vs_nemo"] = f"{sum(a == b for a, b in zip(split_toks, nemo_toks))}/{len(audios)}"
         row["split_last_vs_ours"] = f"{sum(a == b for a, b in zip(split_toks, our_toks))}/{len(audios)}"
     if ref is not None:
         row["ours_eq_offline"] = f"{sum(a == b for a, b in zip(our_toks, ref))}/{len(ref)}"
-        row["exact_eq_offline"] = f"{sum(a == b for a, b in zip(ex_toks, ref))}/{len(ref)}"
+        if "exact" in best:
+            row["exact_eq_offline"] = f"{sum(a == b for a, b in zip(best['exact'][1], ref))}/{len(ref)}"
         row["nemo_eq_offline"] = f"{sum(a == b for a, b in zip(nemo_toks, ref))}/{len(ref)}"
     if not all(match):
         i = match.index(False)
@@ -362,15 +396,18 @@ def main(argv=None) -> int:
         row["first_mismatch"] = {"stream": i, "at_token": k, "of": [len(our_toks[i]), len(nemo_toks[i])],
                                  "ours": our_toks[i][k : k + 12], "nemo": nemo_toks[i][k : k + 12]}
 
-    hdr = f"{'engine':<8}{'RTFx':>9}{'p50 ms':>10}{'p99 ms':>10}{'steps':>7}"
+    hdr = f"{'engine':<18}{'RTFx':>9}{'vs nemo':>9}{'p50 ms':>10}{'p99 ms':>10}{'steps':>7}"
     print(f"\n{args.size} ({row['params_m']} M), {args.streams} streams x {lo:g}-{hi:g} s ({audio_s:.1f} s audio), "
           f"batch {args.batch}, chunk {row['chunk_ms']} ms {att}, {args.device}/{args.dtype}"
           f"{' compiled' if args.compile else ''}, {args.threads} thread(s)")
     print(hdr)
-    for name, r in (("ours", ours), ("nemo", nemo), ("exact", ex)):
-        print(f"{name:<8}{r['rtfx']:>9.2f}{r['step_p50_ms']:>10.1f}{r['step_p99_ms']:>10.1f}{r['steps']:>7}")
-    print("(ours = our engine with NeMo's chunking, token-identical to NeMo; exact = our default, offline-equal framing)")
-    print(f"speedup {row['speedup']:.2f}x (exact {row['exact_speedup']:.2f}x), tokens_match {row['tokens_match']} ({row['streams_match']} streams), "
+    for name in ["nemo", *engines]:
+        r = best[name][0]
+        print(f"{name:<18}{r['rtfx']:>9.2f}{r['rtfx'] / nemo['rtfx']:>8.2f}x{r['step_p50_ms']:>10.1f}"
+              f"{r['step_p99_ms']:>10.1f}{r['steps']:>7}")
+    print("(ours = our engine with NeMo's chunking, token-identical to NeMo; exact = our default, offline-equal "
+          "framing; no_* / frame_loop = ours with that speed-up switched off)")
+    print(f"speedup {row['speedup']:.2f}x, tokens_match {row['tokens_match']} ({row['streams_match']} streams), "
           f"{row['tokens_per_frame']:.3f} tokens/frame")
     line = json.dumps(row)
     print(line)

@@ -251,10 +251,10 @@ def test_unrolled_lstm_matches_library(tiny):
     assert unrolled.unrolled and not library.unrolled
     g = torch.Generator().manual_seed(0)
     L, H, B = unrolled.num_layers, unrolled.hidden, 5
-    h, c = torch.randn(L, B, H, generator=g), torch.randn(L, B, H, generator=g)
+    hc = torch.randn(2 * L, B, H, generator=g)
     labels = torch.tensor([0, 3, 17, model.decoder.blank_idx, 100])
     with torch.inference_mode():
-        a, b = unrolled(labels, h, c), library(labels, h, c)
+        a, b = unrolled(labels, hc), library(labels, hc)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
@@ -273,7 +273,7 @@ def test_label_looping_equals_frame_looping(tiny, max_symbols):
     B, T, L, H = 6, 14, pred.num_layers, pred.hidden
     f = torch.randn(B, T, joint.joint_hidden, generator=gen) * 2
     f_len = torch.tensor([14, 0, 9, 14, 1, 5])
-    h, c = torch.randn(L, B, H, generator=gen), torch.randn(L, B, H, generator=gen)
+    hc = torch.randn(2 * L, B, H, generator=gen)
     g = joint.project_prednet(torch.randn(B, H, generator=gen))
     base = float(_joint_bias(model)[blank])
     seen = set()
@@ -281,8 +281,8 @@ def test_label_looping_equals_frame_looping(tiny, max_symbols):
         for bias in (-30.0, -3.0, 0.0, 1.0, 3.0, 30.0):
             _joint_bias(model)[blank] = base + bias
             with torch.inference_mode():
-                fl = greedy_decode_chunk(joint, pred, blank, max_symbols, f, f_len, g, h, c)
-                ll = label_loop_decode_chunk(joint, pred, blank, max_symbols, f, f_len, g, h, c)
+                fl = greedy_decode_chunk(joint, pred, blank, max_symbols, f, f_len, g, hc)
+                ll = label_loop_decode_chunk(joint, pred, blank, max_symbols, f, f_len, g, hc)
             emitted = lambda out: [
                 [(int(lab), int(fr)) for lab, fr in zip(out[0][b], out[1][b]) if lab >= 0] for b in range(B)
             ]
@@ -331,11 +331,13 @@ def test_kv_cache_layers_equal_nemo_layers(tiny):
         assert torch.equal(al, bl) and torch.equal(kv_len, ref_len)
         for row, n in enumerate(bl.tolist()):
             torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(kv_caches[2], ref_caches[1], rtol=1e-4, atol=1e-5)
+        rows = [0, 2] if step == 4 else [0, 1, 2]  # a short (last) chunk's caches are thrown away
+        torch.testing.assert_close(kv_caches[2][:, rows], ref_caches[1][:, rows], rtol=1e-4, atol=1e-5)
         for i, layer in enumerate(enc.layers):
             n = int(ref_len.min())
             for mine, lin in ((kv_caches[0], layer.self_attn.linear_k), (kv_caches[1], layer.self_attn.linear_v)):
-                torch.testing.assert_close(mine[i][:, -n:], lin(ref_caches[0][i])[:, -n:], rtol=1e-4, atol=1e-5)
+                want = lin(ref_caches[0][i])
+                torch.testing.assert_close(mine[i][rows, -n:], want[rows, -n:], rtol=1e-4, atol=1e-5)
     assert int(ref_len.max()) == eng.enc.streaming_cfg.last_channel_cache_size  # the cache filled up
 
 

@@ -26,6 +26,8 @@ class STTConfig:
     # self-attention caches the keys/values of the last 70 frames (projected once) instead of NeMo's
     # cached inputs (re-projected every step); falls back to NeMo's layers where unsupported
     kv_cache: bool = True
+    # causal dw_striding subsampling as unfold + matmuls in channels-last (pipeline/stt/subsampling.py)
+    fast_subsampling: bool = True
     # "exact": features and first chunk as an offline pass (tokens equal offline_tokens);
     # "nemo": chunking of NeMo's CacheAwareRNNTPipeline (1-hop audio look-back per chunk, every chunk
     # full-size after a silent mel pre-encode cache) - same tokens as that pipeline (benchmarks)

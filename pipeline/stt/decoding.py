@@ -11,7 +11,7 @@ from torch import nn
 
 
 class PredictionStep(nn.Module):
-    """One prediction-network step ``(label, h, c) -> (g, h, c)`` for RNNTDecoder's LSTM.
+    """One prediction-network step ``(label, hc) -> (g, hc)`` for RNNTDecoder's LSTM (hc = [h; c]).
 
     ``unrolled=True`` runs ``torch.lstm_cell`` layer by layer (no cuDNN/oneDNN RNN setup per
     call, which dominates at sequence length 1); otherwise the library ``nn.LSTM``.
@@ -35,14 +35,16 @@ class PredictionStep(nn.Module):
         self.num_layers = self.lstm.num_layers
         self.hidden = self.lstm.hidden_size
 
-    def forward(self, labels: torch.Tensor, h: torch.Tensor, c: torch.Tensor):
+    def forward(self, labels: torch.Tensor, hc: torch.Tensor):
+        """``hc``: the LSTM state as one tensor [2L, B, H] (h of every layer, then c); returns (g, hc)."""
         x = self.embed(labels)  # [B, H_in]
+        L = self.num_layers
         if self.unrolled:
             hs, cs = [], []
-            for layer in range(self.num_layers):
+            for layer in range(L):
                 hl, cl = torch.lstm_cell(
                     x,
-                    (h[layer], c[layer]),
+                    (hc[layer], hc[L + layer]),
                     getattr(self.lstm, f"weight_ih_l{layer}"),
                     getattr(self.lstm, f"weight_hh_l{layer}"),
                     getattr(self.lstm, f"bias_ih_l{layer}"),
@@ -51,9 +53,18 @@ class PredictionStep(nn.Module):
                 hs.append(hl)
                 cs.append(cl)
                 x = hl
-            return x, torch.stack(hs), torch.stack(cs)
-        g, (h2, c2) = self.rnn(x.unsqueeze(0), (h, c))
-        return g.squeeze(0), h2, c2
+            return x, torch.stack(hs + cs)
+        g, (h2, c2) = self.rnn(x.unsqueeze(0), (hc[:L], hc[L:]))
+        return g.squeeze(0), torch.cat([h2, c2])
+
+
+def joint_logits(joint, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Joint scores [B, T, V] of projected encoder frames ``f`` [B, T, Hj] with one projected
+    prediction ``g`` [B, Hj] per row: NeMo's ``joint_after_projection`` without the U axis and without
+    its CPU-only log-softmax (a per-row shift that leaves the argmax alone)."""
+    if joint.training or joint.is_adapter_available():
+        return joint.joint_after_projection(f, g[:, None, :])[:, :, 0, :]
+    return joint.joint_net(f + g[:, None, :])
 
 
 @torch.inference_mode()
@@ -65,11 +76,10 @@ def greedy_decode_chunk(
     f: torch.Tensor,  # [B, T, Hj] projected encoder output of this chunk
     f_len: torch.Tensor,  # [B] valid frames
     g: torch.Tensor,  # [B, Hj] projected prediction output for the last label
-    h: torch.Tensor,  # [L, B, H]
-    c: torch.Tensor,  # [L, B, H]
+    hc: torch.Tensor,  # [2L, B, H] LSTM state
     check_every: int = 4,
 ):
-    """Decode one chunk; return (labels [B, I] with -1 where nothing was emitted, frame [B, I], g, h, c).
+    """Decode one chunk; return (labels [B, I] with -1 where nothing was emitted, frame [B, I], g, hc).
 
     Runs ``T`` iterations unconditionally (each row needs at least its frame count), then checks
     for completion only every ``check_every`` iterations, so the host waits on the device rarely.
@@ -88,16 +98,13 @@ def greedy_decode_chunk(
             break
         active = t < f_len
         ft = f[rows, t.clamp(max=last_t)]  # [B, Hj]
-        logits = joint.joint_after_projection(ft[:, None, :], g[:, None, :])[:, 0, 0, :]
-        k = logits.argmax(dim=-1)
+        k = joint_logits(joint, ft[:, None, :], g)[:, 0].argmax(dim=-1)
         emit = active & (k != blank)
         out_labels.append(torch.where(emit, k, -1))
         out_frames.append(t)
-        g_new, h_new, c_new = pred(torch.where(emit, k, blank), h, c)
-        g_new = joint.project_prednet(g_new)
-        g = torch.where(emit[:, None], g_new, g)
-        h = torch.where(emit[None, :, None], h_new, h)
-        c = torch.where(emit[None, :, None], c_new, c)
+        g_new, hc_new = pred(torch.where(emit, k, blank), hc)
+        g = torch.where(emit[:, None], joint.project_prednet(g_new), g)
+        hc = torch.where(emit[None, :, None], hc_new, hc)
         sym = torch.where(emit, sym + 1, sym)
         adv = active & (~emit | (sym >= max_symbols))
         sym = torch.where(adv, 0, sym)
@@ -105,8 +112,8 @@ def greedy_decode_chunk(
         it += 1
     if not out_labels:
         empty = torch.empty(B, 0, dtype=torch.long, device=dev)
-        return empty, empty, g, h, c
-    return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, h, c
+        return empty, empty, g, hc
+    return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, hc
 
 
 @torch.inference_mode()
@@ -118,8 +125,7 @@ def label_loop_decode_chunk(
     f: torch.Tensor,  # [B, T, Hj] projected encoder output of this chunk
     f_len: torch.Tensor,  # [B] valid frames
     g: torch.Tensor,  # [B, Hj]
-    h: torch.Tensor,  # [L, B, H]
-    c: torch.Tensor,  # [L, B, H]
+    hc: torch.Tensor,  # [2L, B, H]
     check_every: int = 1,
 ):
     """``greedy_decode_chunk`` by label looping: one iteration per emitted label instead of per frame.
@@ -131,33 +137,34 @@ def label_loop_decode_chunk(
     and frames; about (labels per row + 1) iterations instead of (frames + labels): fewer, larger
     operations, which is what an overhead-bound step wants. The joint over all frames costs
     ``T`` times a one-frame joint, so for a large vocabulary and joint on a slow device the frame
-    loop can be cheaper (``STTConfig.decoder``).
+    loop can be cheaper (``STTConfig.decoder``). A row that finds no label is done for the chunk
+    (its prediction state only changes when it emits).
     """
     B, T, _ = f.shape
     dev = f.device
     frame = torch.arange(T, device=dev)[None, :]
+    valid = frame < f_len[:, None]
     t = torch.zeros(B, dtype=torch.long, device=dev)
-    sym = torch.zeros(B, dtype=torch.long, device=dev)
+    sym = torch.zeros(B, dtype=torch.long, device=dev)  # labels emitted at frame t so far
     out_labels, out_frames = [], []
     for it in range(T * max_symbols + 1):  # each iteration emits >= 1 label or ends every row
-        k = joint.joint_after_projection(f, g[:, None, :])[:, :, 0, :].argmax(dim=-1)  # [B, T]
-        cand = (k != blank) & (frame >= t[:, None]) & (frame < f_len[:, None])
-        emit = cand.any(dim=1)
-        at = cand.to(torch.uint8).argmax(dim=1)  # first candidate frame (first maximum)
-        lab = k.gather(1, at[:, None])[:, 0]
+        k = joint_logits(joint, f, g).argmax(dim=-1)  # [B, T]
+        cand = (k != blank) & valid & (frame >= t[:, None])
+        at = cand.to(torch.uint8).argmax(dim=1)  # first candidate frame (first maximum); 0 if none
+        emit = cand.gather(1, at[:, None])[:, 0]
         if it % check_every == 0 and not bool(emit.any()):
             break
+        lab = k.gather(1, at[:, None])[:, 0]
         out_labels.append(torch.where(emit, lab, -1))
         out_frames.append(at)
-        g_new, h_new, c_new = pred(torch.where(emit, lab, blank), h, c)
+        g_new, hc_new = pred(torch.where(emit, lab, blank), hc)
         g = torch.where(emit[:, None], joint.project_prednet(g_new), g)
-        h = torch.where(emit[None, :, None], h_new, h)
-        c = torch.where(emit[None, :, None], c_new, c)
-        sym = torch.where(emit, torch.where(at == t, sym + 1, 1), 0)
+        hc = torch.where(emit[None, :, None], hc_new, hc)
+        sym = torch.where(at == t, sym, 0) + 1
         step_on = sym >= max_symbols
-        t = torch.where(emit, at + step_on.long(), torch.maximum(t, f_len))
-        sym = torch.where(step_on, 0, sym)
+        t = torch.where(emit, at + step_on, f_len)
+        sym = sym.masked_fill(step_on, 0)
     if not out_labels:
         empty = torch.empty(B, 0, dtype=torch.long, device=dev)
-        return empty, empty, g, h, c
-    return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, h, c
+        return empty, empty, g, hc
+    return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, hc

@@ -24,16 +24,28 @@ import torch
 INF_VAL = 10000.0  # NeMo's masked-score value (multi_head_attention.INF_VAL)
 
 
-def _layer_attention_ok(layer) -> bool:
+def _layer_ok(layer) -> bool:
+    from nemo.collections.asr.parts.submodules.causal_convs import CausalConv1D
     from nemo.collections.asr.parts.submodules.multi_head_attention import RelPositionMultiHeadAttention
 
     attn = getattr(layer, "self_attn", None)
+    conv = getattr(layer, "conv", None)
     adapters = getattr(layer, "is_adapter_available", lambda: False)()
+    dw = getattr(conv, "depthwise_conv", None)
     return (
         type(attn) is RelPositionMultiHeadAttention
         and getattr(layer, "self_attention_model", None) == "rel_pos"
         and not adapters
         and not layer.training
+        and getattr(conv, "pointwise_activation", None) == "glu_"
+        and getattr(conv, "norm_type", None) in ("layer_norm", "batch_norm")
+        and isinstance(dw, CausalConv1D)
+        and dw.groups == dw.in_channels == dw.out_channels
+        and dw.stride == (1,)
+        and dw.dilation == (1,)
+        and dw.bias is not None
+        and conv.pointwise_conv1.bias is not None
+        and conv.pointwise_conv2.bias is not None
     )
 
 
@@ -77,7 +89,7 @@ class KVCacheLayersStep(NemoLayersStep):
             and getattr(enc, "reduction_position", None) is None
             and getattr(enc, "out_proj", None) is None
             and enc.streaming_cfg.last_channel_cache_size > 0
-            and all(_layer_attention_ok(layer) for layer in enc.layers)
+            and all(_layer_ok(layer) for layer in enc.layers)
         )
 
     def __init__(self, enc):
@@ -94,20 +106,19 @@ class KVCacheLayersStep(NemoLayersStep):
         return [(L, 1, C, d), (L, 1, C, d), (L, 1, d, self._time_cache())]
 
     def positions(self, T: int) -> list[torch.Tensor]:
-        """``linear_pos(pos_emb)`` per layer as [1, heads, P, d_k] for chunks of ``T`` frames after a full
-        cache; recomputed when ``T`` or a weight changes. Call outside ``torch.compile`` (the engine
-        does) and pass the result in."""
+        """Per layer, ``linear_pos(pos_emb)`` as [heads, d_k, P'] for chunks of ``T`` frames after a full
+        cache, cut to the P' = C + 2T - 1 relative positions the shifted scores use; recomputed when
+        ``T`` or a weight changes. Call outside ``torch.compile`` (the engine does) and pass it in."""
         ws = [layer.self_attn.linear_pos.weight for layer in self.enc.layers]
         key = (T, tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws))
         if key != self._pos_key:
+            C = self.enc.streaming_cfg.last_channel_cache_size
             with torch.inference_mode():
-                pos_emb = self.pos_emb(T)
-                self._pos = [
-                    layer.self_attn.linear_pos(pos_emb)
-                    .view(pos_emb.size(0), -1, layer.self_attn.h, layer.self_attn.d_k)
-                    .transpose(1, 2)
-                    for layer in self.enc.layers
-                ]
+                pos_emb = self.pos_emb(T)[0, : C + 2 * T - 1]  # [P', d]
+                self._pos = []
+                for layer in self.enc.layers:
+                    a = layer.self_attn
+                    self._pos.append(a.linear_pos(pos_emb).view(-1, a.h, a.d_k).permute(1, 2, 0).contiguous())
             self._pos_key = key
         return self._pos
 
@@ -135,14 +146,17 @@ class KVCacheLayersStep(NemoLayersStep):
             device=pre.device,
         )
         pad_mask, att_mask = pad_mask[:, C:], att_mask[:, C:]
+        # masked scores as an additive bias: exp() of a score near -1e4 is 0 like NeMo's masked_fill
+        # (a valid frame always sees itself, so no valid row is all masked); [B, 1, T, C + T]
+        bias = torch.zeros(att_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(att_mask, -INF_VAL)[:, None]
         keep = T - enc.streaming_cfg.cache_drop_size
         ks, vs, ts = [], [], []
         for i, layer in enumerate(enc.layers):
             residual = x + layer.feed_forward1(layer.norm_feed_forward1(x)) * layer.fc_factor
             xn = layer.norm_self_att(residual)
-            att, k_next, v_next = self._attention(layer.self_attn, xn, att_mask, pos[i], k_cache[i], v_cache[i], keep)
+            att, k_next, v_next = self._attention(layer.self_attn, xn, bias, pos[i], k_cache[i], v_cache[i], keep)
             residual = residual + att
-            conv, t_next = layer.conv(layer.norm_conv(residual), pad_mask=pad_mask, cache=t_cache[i])
+            conv, t_next = self._conv(layer.conv, layer.norm_conv(residual), pad_mask, t_cache[i])
             residual = residual + conv
             residual = residual + layer.feed_forward2(layer.norm_feed_forward2(residual)) * layer.fc_factor
             x = layer.norm_out(residual)
@@ -153,34 +167,56 @@ class KVCacheLayersStep(NemoLayersStep):
         return x.transpose(1, 2), pre_len, [torch.stack(ks), torch.stack(vs), torch.stack(ts)], out_len
 
     @staticmethod
-    def _attention(attn, xn, mask, p, k_cache, v_cache, keep: int):
-        """RelPositionMultiHeadAttention.forward with cached projections (NeMo's order of operations)."""
+    def _attention(attn, xn, bias, p, k_cache, v_cache, keep: int):
+        """RelPositionMultiHeadAttention with cached key/value projections.
+
+        The relative-position term is one matmul per head over the batch's frames ([h, B*T, d_k] x
+        [h, d_k, P']) and NeMo's ``rel_shift`` (pad, reshape, drop a row) becomes a strided view:
+        shifted[b, h, i, j] = raw[b, h, i, j + T - 1 - i]. Scores, mask and softmax go through one
+        ``scaled_dot_product_attention`` with that term (scaled) plus the mask as its float mask."""
         B, T, _ = xn.shape
         h, dk = attn.h, attn.d_k
         k_new, v_new = attn.linear_k(xn), attn.linear_v(xn)
         k = torch.cat([k_cache, k_new], 1)
         v = torch.cat([v_cache, v_new], 1)
-        k_next = torch.cat([k_cache[:, keep:], k_new[:, :keep]], 1)
-        v_next = torch.cat([v_cache[:, keep:], v_new[:, :keep]], 1)
-        q = attn.linear_q(xn).view(B, T, h, dk)
-        k = k.view(B, -1, h, dk).transpose(1, 2)
-        v = v.view(B, -1, h, dk).transpose(1, 2)
-        q_u = (q + attn.pos_bias_u).transpose(1, 2)
-        q_v = (q + attn.pos_bias_v).transpose(1, 2)
-        bd = attn.rel_shift(torch.matmul(q_v, p.transpose(-2, -1)))
-        if attn.use_pytorch_sdpa:
-            bd = bd[:, :, :, : k.size(-2)] * (1 / dk**0.5)
-            m = mask.unsqueeze(1)
-            bd.masked_fill_(m, -INF_VAL)
-            if attn.use_pytorch_sdpa_backends:
-                with torch.nn.attention.sdpa_kernel(attn.use_pytorch_sdpa_backends):
-                    out = torch.nn.functional.scaled_dot_product_attention(q_u, k, v, attn_mask=bd)
-            else:
-                out = torch.nn.functional.scaled_dot_product_attention(q_u, k, v, attn_mask=bd)
-            out = out.masked_fill(torch.all(m, dim=-1).unsqueeze(-1).expand(-1, out.size(1), -1, out.size(-1)), 0.0)
-            out = attn.linear_out(out.transpose(1, 2).reshape(B, -1, h * dk))
+        S = k.shape[1]
+        if keep == T:
+            k_next, v_next = k[:, T:], v[:, T:]
         else:
-            ac = torch.matmul(q_u, k.transpose(-2, -1))
-            scores = (ac + bd[:, :, :, : ac.size(-1)]) / attn.s_d_k
-            out = attn.forward_attention(v, scores, mask)
+            k_next = torch.cat([k_cache[:, keep:], k_new[:, :keep]], 1)
+            v_next = torch.cat([v_cache[:, keep:], v_new[:, :keep]], 1)
+        q = attn.linear_q(xn).view(B, T, h, dk)
+        q_u = (q + attn.pos_bias_u).transpose(1, 2)  # [B, h, T, dk]
+        q_v = (q + attn.pos_bias_v).permute(2, 0, 1, 3).reshape(h, B * T, dk)
+        P = p.shape[-1]
+        raw = torch.bmm(q_v, p)  # [h, B*T, P]
+        bd = raw.as_strided((B, h, T, S), (T * P, B * T * P, P - 1, 1), raw.storage_offset() + T - 1)
+        mask = bd * (1.0 / attn.s_d_k) + bias
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_u, k.view(B, S, h, dk).transpose(1, 2), v.view(B, S, h, dk).transpose(1, 2), attn_mask=mask
+        )
+        out = attn.linear_out(out.transpose(1, 2).reshape(B, T, h * dk))
         return out, k_next, v_next
+
+    @staticmethod
+    def _conv(conv, x, pad_mask, cache):
+        """ConformerConvolution (pointwise, GLU, causal depthwise with its cache, norm, Swish, pointwise)
+        on [B, T, d] frames, without the transposes: the pointwise convolutions are linear layers and
+        the depthwise one a sum over an unfolded window. ``cache`` stays in NeMo's [B, d, K-1] layout."""
+        y = torch.nn.functional.linear(x, conv.pointwise_conv1.weight[:, :, 0], conv.pointwise_conv1.bias)
+        y = torch.nn.functional.glu(y, dim=-1).masked_fill(pad_mask[:, :, None], 0.0)
+        dw = conv.depthwise_conv
+        if dw._right_padding:
+            y = torch.nn.functional.pad(y, (0, 0, 0, dw._right_padding))
+        full = torch.cat([cache.transpose(1, 2), y], 1)  # [B, K-1 + T (+ right), d]
+        nxt = full[:, : full.shape[1] - dw.cache_drop_size] if dw.cache_drop_size else full
+        nxt = nxt[:, -cache.shape[-1] :].transpose(1, 2)
+        K = dw.kernel_size[0]
+        y = (full.unfold(1, K, 1) * dw.weight[:, 0]).sum(-1) + dw.bias  # [B, T, d]
+        if conv.norm_type == "layer_norm":
+            y = conv.batch_norm(y)
+        else:
+            y = conv.batch_norm(y.transpose(1, 2)).transpose(1, 2)
+        y = conv.activation(y)
+        y = torch.nn.functional.linear(y, conv.pointwise_conv2.weight[:, :, 0], conv.pointwise_conv2.bias)
+        return y, nxt

@@ -80,7 +80,8 @@ class STTEngine:
             raise NotImplementedError("TDT / multi-output joints are not supported by the greedy RNNT step")
         self.preprocessor = model.preprocessor
         self._fast_feats = self._fast_features_ok()
-        self._fast_pre = CausalDwStriding(enc.pre_encode) if CausalDwStriding.supports(enc.pre_encode) else None
+        fast_pre = cfg.fast_subsampling and CausalDwStriding.supports(enc.pre_encode)
+        self._fast_pre = CausalDwStriding(enc.pre_encode) if fast_pre else None
         self.n_first, self.n_next = sc.chunk_size  # mel frames: first chunk, later chunks
         self.nemo_framing = cfg.framing == "nemo"
         self._ctx = 1 if self.nemo_framing else _CTX_FRAMES  # mel frames of left audio context per chunk
@@ -116,20 +117,16 @@ class STTEngine:
             (S, enc._feat_in, self.pre_cache), self._mel_zero, dtype=self.dtype, device=self.device
         )
         L, H = self.pred.num_layers, self.pred.hidden
-        self.h = torch.zeros(L, S, H, dtype=self.dtype, device=self.device)
-        self.c = torch.zeros(L, S, H, dtype=self.dtype, device=self.device)
+        self.hc = torch.zeros(2 * L, S, H, dtype=self.dtype, device=self.device)  # LSTM h of each layer, then c
         with torch.inference_mode():
             # start state = after feeding <SOS> (= blank, a zero embedding) to a zero LSTM state, as NeMo does
-            g0, h0, c0 = self.pred(
-                torch.full((1,), self.blank, dtype=torch.long, device=self.device),
-                self.h[:, :1].clone(),
-                self.c[:, :1].clone(),
+            g0, hc0 = self.pred(
+                torch.full((1,), self.blank, dtype=torch.long, device=self.device), self.hc[:, :1].clone()
             )
             self.g0 = model.joint.project_prednet(g0)[0]
-            self.h0, self.c0 = h0[:, 0], c0[:, 0]  # [L, H]
+            self.hc0 = hc0[:, 0]  # [2L, H]
         self.g = self.g0.expand(S, -1).clone()
-        self.h[:] = self.h0[:, None]
-        self.c[:] = self.c0[:, None]
+        self.hc[:] = self.hc0[:, None]
         # --- host bookkeeping ---
         self._streams: dict[str, _Stream] = {}
         self._free = list(range(S))
@@ -301,8 +298,7 @@ class STTEngine:
             cache[:, idx] = 0
         self.cache_len[idx] = 0
         self.mel_cache[idx] = self._mel_zero
-        self.h[:, idx] = self.h0[:, None]
-        self.c[:, idx] = self.c0[:, None]
+        self.hc[:, idx] = self.hc0[:, None]
         self.g[idx] = self.g0
 
     def _segment(self, st: _Stream, last: bool) -> tuple[np.ndarray, int]:
@@ -407,7 +403,7 @@ class STTEngine:
 
         # ---- greedy RNNT over the chunk with carried per-slot decoder state
         f = self.model.joint.project_encoder(enc_out.transpose(1, 2))
-        labels, frames, g, h, c = self._decode(
+        labels, frames, g, hc = self._decode(
             self.model.joint,
             self.pred,
             self.blank,
@@ -415,12 +411,10 @@ class STTEngine:
             f,
             enc_len,
             self.g.index_select(0, idx),
-            self.h.index_select(1, idx),
-            self.c.index_select(1, idx),
+            self.hc.index_select(1, idx),
         )
         self.g.index_copy_(0, idx, g)
-        self.h.index_copy_(1, idx, h)
-        self.c.index_copy_(1, idx, c)
+        self.hc.index_copy_(1, idx, hc)
 
         # ---- the one device->host transfer: emitted labels, their frames, frame counts
         host = torch.cat([labels, frames, enc_len[:, None]], 1).cpu().numpy()
