@@ -43,7 +43,7 @@ class RayBackends:
     async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]:
         return await self.stt.push.remote(sid, pcm)
 
-    async def stt_finish(self, sid: str) -> str:
+    async def stt_finish(self, sid: str) -> tuple[str, list[dict]]:
         return await self.stt.finish.remote(sid)
 
     async def stt_close(self, sid: str) -> None:

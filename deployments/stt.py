@@ -24,7 +24,7 @@ class STT(ModelReplica):
     async def push(self, sid: str, pcm: np.ndarray) -> list[dict]:
         return await self.svc.push(sid, pcm)
 
-    async def finish(self, sid: str) -> str:
+    async def finish(self, sid: str) -> tuple[str, list[dict]]:
         return await self.svc.finish(sid)
 
     async def close(self, sid: str) -> None:

@@ -129,8 +129,12 @@ def transcript_partial(text: str, turn: int) -> dict:
     return {"type": "transcript.partial", "text": text, "turn": turn}
 
 
-def transcript_final(text: str, turn: int) -> dict:
-    return {"type": "transcript.final", "text": text, "turn": turn}
+def transcript_final(text: str, turn: int, words: list[dict] | None = None) -> dict:
+    """``words`` (v1 extension, spoken turns): [{"word", "start_ms", "end_ms"}], ms from the turn's first audio."""
+    msg = {"type": "transcript.final", "text": text, "turn": turn}
+    if words is not None:
+        msg["words"] = [{"word": w["word"], "start_ms": int(w["start_ms"]), "end_ms": int(w["end_ms"])} for w in words]
+    return msg
 
 
 def response_text(delta: str, turn: int) -> dict:

@@ -79,9 +79,11 @@ class STTService:
                 for ev in events:
                     self._outbox[ev.stream_id].append({"kind": ev.kind, "text": ev.text})
 
-    async def finish(self, sid: str) -> str:
+    async def finish(self, sid: str) -> tuple[str, list[dict]]:
+        """The utterance's final text and its words with times (ms from the utterance start)."""
         self._outbox.pop(sid, None)
-        return await self.thread.run(self.engine.finish, sid)
+        text, _, words = await self.thread.run(self.engine.finish_result, sid)
+        return text, words
 
     async def close(self, sid: str) -> None:
         self._outbox.pop(sid, None)
@@ -189,7 +191,7 @@ class LocalBackends:
     async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]:
         return await self.stt.push(sid, pcm)
 
-    async def stt_finish(self, sid: str) -> str:
+    async def stt_finish(self, sid: str) -> tuple[str, list[dict]]:
         return await self.stt.finish(sid)
 
     async def stt_close(self, sid: str) -> None:

@@ -43,7 +43,7 @@ class Backends(Protocol):
 
     async def stt_open(self, sid: str) -> None: ...  # raises NoFreeSlot
     async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]: ...  # [{"kind","text"}]
-    async def stt_finish(self, sid: str) -> str: ...
+    async def stt_finish(self, sid: str) -> tuple[str, list[dict]]: ...  # (text, words with times)
     async def stt_close(self, sid: str) -> None: ...
     def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]: ...
     # (int16 24 kHz chunk, Mimi codes [n, 32] of the frames that made it)
@@ -187,11 +187,11 @@ class Session:
         if typed_text is not None and self.listening:
             await self._end_turn()  # spoken audio in flight becomes its own turn first
         await self._interrupt(send_done=True)
-        user_audio = None
+        user_audio, words = None, None
         if typed_text is not None:
             text = typed_text
         elif self.listening:
-            text = await self.backends.stt_finish(self.id)
+            text, words = await self.backends.stt_finish(self.id)
             user_audio = np.concatenate(self._turn_audio) if self._turn_audio else None
         else:
             text = ""
@@ -200,7 +200,7 @@ class Session:
         self._turn_audio = []
         self.turn += 1
         turn = self.turn
-        await self.send(P.transcript_final(text, turn))
+        await self.send(P.transcript_final(text, turn, words))
         if self.cfg.on_turn:
             self.cfg.on_turn()
         task = asyncio.create_task(

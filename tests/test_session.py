@@ -77,7 +77,10 @@ def test_spoken_and_typed_turns_in_order(backends):
         assert types.index("audio") < len(types) - 1 - types[::-1].index("response.text")
         seqs = [m["seq"] for m in rec.turn(n) if m["type"] == "audio"]
         assert seqs == list(range(len(seqs)))
-    assert [m for m in rec.turn(2) if m["type"] == "transcript.final"][0]["text"] == "How are you?"
+    final1, final2 = ([m for m in rec.turn(n) if m["type"] == "transcript.final"][0] for n in (1, 2))
+    assert final2["text"] == "How are you?" and "words" not in final2  # typed: no times
+    assert final1["text"] and " ".join(w["word"] for w in final1["words"]) == final1["text"].strip()
+    assert all(0 <= w["start_ms"] < w["end_ms"] <= 2500 + 80 for w in final1["words"])
     assert [h["role"] for h in s.history] == ["user", "assistant", "user", "assistant"]
     assert s.history[1]["content"] == "".join(m["text"] for m in rec.turn(1) if m["type"] == "response.text").strip()
 

@@ -136,6 +136,38 @@ def test_partials_concatenate_to_final(tiny):
     assert engine.active_streams == ["p"]
 
 
+def test_word_timings_from_emission_frames(tiny):
+    """Words group SentencePiece pieces at "▁"; times come from the tokens' encoder frames (80 ms)."""
+    from pipeline.stt.engine import word_timings
+
+    cfg, model = tiny
+    tok = model.tokenizer
+    ids = tok.text_to_ids("the quick brown fox")
+    pieces = tok.ids_to_tokens(ids)
+    assert sum(p.startswith("\u2581") for p in pieces) == 4 and len(ids) > 4  # some word has 2+ pieces
+    frames = [3 * i + 2 for i in range(len(ids))]
+    words = word_timings(tok, ids, frames, 80)
+    assert [w["word"] for w in words] == ["the", "quick", "brown", "fox"]
+    starts = [i for i, p in enumerate(pieces) if p.startswith("\u2581")]
+    ends = starts[1:] + [len(ids)]
+    assert [w["start_ms"] for w in words] == [frames[a] * 80 for a in starts]
+    assert [w["end_ms"] for w in words] == [(frames[b - 1] + 1) * 80 for b in ends]
+    assert word_timings(tok, [], [], 80) == []
+
+
+def test_finish_result_words_match_text_and_audio(tiny):
+    engine = _engine(tiny)
+    pcm = speech_like_audio(3.7, seed=8)
+    engine.open("w")
+    engine.feed("w", pcm)
+    text, tokens, words = engine.finish_result("w")
+    assert tokens and words
+    assert " ".join(w["word"] for w in words) == text.strip()
+    assert all(0 <= w["start_ms"] < w["end_ms"] for w in words)
+    assert [w["start_ms"] for w in words] == sorted(w["start_ms"] for w in words)
+    assert words[-1]["end_ms"] <= len(pcm) / 16 + 80  # within the audio (one frame of rounding)
+
+
 def test_slot_exhaustion_and_close(tiny):
     engine = _engine(tiny, num_slots=2)
     engine.open("a")

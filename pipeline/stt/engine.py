@@ -33,6 +33,29 @@ class STTEvent:
     kind: str  # "partial" (text = delta) | "endpoint" | "final" (text = whole utterance, after end())
     text: str = ""
     tokens: Optional[list[int]] = None  # "final" only
+    words: Optional[list[dict]] = None  # "final" only: [{"word", "start_ms", "end_ms"}]
+
+
+def word_timings(tokenizer, tokens: list[int], frames: list[int], frame_ms: int) -> list[dict]:
+    """Words of a token sequence with times from the encoder frame each token was emitted on.
+
+    A word starts at a SentencePiece piece beginning with "▁" (or at the first token); it spans
+    from its first token's frame to the end of its last token's frame, in ms from the start of the
+    utterance. RNNT emission frames trail the sound a little; the resolution is one frame (80 ms)."""
+    if not tokens or not hasattr(tokenizer, "ids_to_tokens"):
+        return []
+    pieces = tokenizer.ids_to_tokens(tokens)
+    groups: list[list[int]] = []
+    for i, piece in enumerate(pieces):
+        if not groups or piece.startswith("\u2581"):
+            groups.append([])
+        groups[-1].append(i)
+    words = []
+    for g in groups:
+        word = tokenizer.ids_to_text([tokens[i] for i in g]).strip()
+        if word:
+            words.append({"word": word, "start_ms": frames[g[0]] * frame_ms, "end_ms": (frames[g[-1]] + 1) * frame_ms})
+    return words
 
 
 class _Stream:
@@ -50,6 +73,7 @@ class _Stream:
         self.next_frame = 0  # next mel frame to encode
         self.enc_frames = 0  # encoder frames decoded this utterance
         self.tokens: list[int] = []
+        self.token_frames: list[int] = []  # encoder frame (from the utterance start) of each token
         self.text = ""
         self.last_token_frame = -1
         self.endpointed = False
@@ -201,7 +225,7 @@ class STTEngine:
             self._reset_slots([st.slot for st in done])
         for st in done:
             text = self.tokenizer.ids_to_text(st.tokens) if st.tokens else ""
-            events.append(STTEvent(st.id, "final", text, list(st.tokens)))
+            events.append(STTEvent(st.id, "final", text, list(st.tokens), self._words(st)))
             st.reset()
         return events
 
@@ -210,6 +234,11 @@ class STTEngine:
         return self.finish_tokens(stream_id)[0]
 
     def finish_tokens(self, stream_id: str) -> tuple[str, list[int]]:
+        text, tokens, _ = self.finish_result(stream_id)
+        return text, tokens
+
+    def finish_result(self, stream_id: str) -> tuple[str, list[int], list[dict]]:
+        """``finish`` with the tokens and the words' times: (text, tokens, [{"word", "start_ms", "end_ms"}])."""
         st = self._get(stream_id)
         while self._has_chunk(st):
             self._advance([st], [False])
@@ -217,9 +246,13 @@ class STTEngine:
             self._advance([st], [True])
         tokens = st.tokens
         text = self.tokenizer.ids_to_text(tokens) if tokens else ""
+        words = self._words(st)
         self._reset_slots([st.slot])
         st.reset()
-        return text, tokens
+        return text, tokens, words
+
+    def _words(self, st: _Stream) -> list[dict]:
+        return word_timings(self.tokenizer, st.tokens, st.token_frames, self.frame_ms)
 
     def tokens(self, stream_id: str) -> list[int]:
         return list(self._get(stream_id).tokens)
@@ -424,6 +457,7 @@ class STTEngine:
             m = lab >= 0
             if m.any():
                 st.tokens.extend(int(v) for v in lab[m])
+                st.token_frames.extend(st.enc_frames + int(v) for v in fr[m])
                 st.last_token_frame = st.enc_frames + int(fr[m][-1])
                 st.endpointed = False
             st.enc_frames += int(host[b, 2 * I])
