@@ -50,7 +50,9 @@ def nemo_pipeline_cfg(args, max_symbols: int):
                 "device": args.device,
                 "device_id": 0,
                 "compute_dtype": args.dtype,
-                "use_amp": False,
+                # NeMo's bf16 mode: autocast (its wrapper's default); use_amp false with bf16 weights
+                # fails in its pipeline (float features into bf16 convs)
+                "use_amp": args.dtype == "bfloat16",
                 "decoding": {
                     "strategy": "greedy_batch",
                     "preserve_alignments": False,
@@ -308,8 +310,12 @@ def main(argv=None) -> int:
     if args.offline_check:
         ref = [offline_tokens(model, a) for a in audios]  # before NeMo's wrapper swaps the decoding config
 
-    pipe = build_nemo_pipeline(model, args, max_symbols)  # casts the model to --dtype (use_amp false)
-    model.to(dtype)
+    pipe = build_nemo_pipeline(model, args, max_symbols)
+    if dtype != torch.float32:  # NeMo autocasts its float32 model; ours runs a copy with --dtype weights
+        twin = type(model)(cfg=model.cfg, trainer=None)
+        twin.load_state_dict(model.state_dict())
+        twin.encoder.set_default_att_context_size(att)
+        model = twin.to(args.device).to(dtype).eval()
     # ours with NeMo's chunking (same tokens as NeMo's pipeline), our default offline-equal framing,
     # and (--ablate) ours with one speed-up at a time switched back to the library/NeMo path
     variants = {"ours": {"framing": "nemo"}}

@@ -69,10 +69,23 @@ def _feed_randomly(engine, audios, rng, *, start_step=None, close_after=None, en
     raise AssertionError("streams did not finish")
 
 
-@pytest.mark.parametrize("att", [[70, 13], [70, 1]])
-def test_streaming_equals_offline(tiny, att):
+LIBRARY_PATHS = dict(kv_cache=False, fast_subsampling=False, decoder="frame_loop", unrolled_lstm=False)
+
+
+@pytest.mark.parametrize(
+    "att,paths", [([70, 13], {}), ([70, 1], {}), ([70, 13], LIBRARY_PATHS)], ids=["13", "1", "13-library"]
+)
+def test_streaming_equals_offline(tiny, att, paths):
+    """Streaming tokens == an offline pass of the model; with our fast paths and with every one of
+    them switched back to NeMo's/torch's (NeMo layer loop, masked subsampling, frame looping, nn.LSTM)."""
+    from pipeline.stt.decoding import greedy_decode_chunk
+    from pipeline.stt.encoder import KVCacheLayersStep
+
     cfg, model = tiny
-    engine = _engine(tiny, att_context_size=att)
+    engine = _engine(tiny, att_context_size=att, **paths)
+    fast = (isinstance(engine.enc_step, KVCacheLayersStep), engine._fast_pre is not None,
+            engine._decode is not greedy_decode_chunk, engine.pred.unrolled)
+    assert fast == ((False,) * 4 if paths else (True,) * 4)
     rng = np.random.default_rng(1)
     durations = [0.4, 1.13, 2.37, 3.01, 4.55] if att == [70, 13] else [0.3, 1.37, 2.2]
     audios = {f"s{i}": speech_like_audio(d, seed=10 + i) for i, d in enumerate(durations)}
