@@ -450,6 +450,10 @@ def test_fast_features_and_pre_encode_match_nemo(tiny):
     x = torch.from_numpy(np.stack([speech_like_audio(w / 16000, seed=i)[:w] for i in range(3)]))
     for xl in (torch.full((3,), w), torch.tensor([w, w - 3000, 900])):
         assert torch.equal(eng._features(x, xl), model.preprocessor(input_signal=x, length=xl)[0])
+    # all rows full-length: the masks are skipped; every frame before len // hop is still bitwise NeMo's
+    xl = torch.full((3,), w)
+    n = w // eng.hop
+    assert torch.equal(eng._features(x, xl, full=True)[..., :n], model.preprocessor(input_signal=x, length=xl)[0][..., :n])
     feats = model.preprocessor(input_signal=x, length=torch.full((3,), w))[0].transpose(1, 2)[:, :121]
     for lengths in (torch.full((3,), 121), torch.tensor([121, 64, 9])):
         a, al = model.encoder.pre_encode(x=feats, lengths=lengths)

@@ -374,7 +374,7 @@ class STTEngine:
             audio[b, : len(s)] = s
         x = torch.from_numpy(audio).to(dev, dt, non_blocking=True)
         x_len = torch.from_numpy(seg_len).to(dev)
-        feats = self._features(x, x_len)
+        feats = self._features(x, x_len, full=bool((seg_len == width).all()))
         span = max(max(nfr), self.n_next)
         if feats.shape[-1] < self._ctx + span:
             feats = torch.nn.functional.pad(feats, (0, self._ctx + span - feats.shape[-1]))
@@ -487,10 +487,12 @@ class STTEngine:
             and int(f.n_fft) % 2 == 0
         )
 
-    def _features(self, x: torch.Tensor, x_len: torch.Tensor) -> torch.Tensor:
+    def _features(self, x: torch.Tensor, x_len: torch.Tensor, full: bool = False) -> torch.Tensor:
         """``model.preprocessor(x, x_len)[0]``, op for op, except the STFT magnitude: NeMo's
         ``sqrt(view_as_real(s).pow(2).sum(-1))`` reduces a size-2 inner dim (slow on CPU); re*re + im*im
-        is the same two-term float sum, so the features are bitwise equal."""
+        is the same two-term float sum, so the features are bitwise equal. ``full`` (every row is
+        known on the host to be as long as the batch): the two length masks are skipped; they then only
+        touch the last frame, which lies past every chunk's frames (``_advance`` reads frames < len // hop)."""
         if not self._fast_feats:
             return self.preprocessor(input_signal=x, length=x_len)[0]
         f = self.preprocessor.featurizer
@@ -498,9 +500,10 @@ class STTEngine:
         seq_len = torch.floor_divide(x_len + f.n_fft // 2 * 2 - f.n_fft, f.hop_length).to(torch.long)
         seq_len = torch.where(x_len == 0, torch.zeros_like(seq_len), seq_len)
         if f.preemph is not None:
-            timemask = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < x_len.unsqueeze(1)
             x = torch.cat((x[:, 0].unsqueeze(1), x[:, 1:] - f.preemph * x[:, :-1]), dim=1)
-            x = x.masked_fill(~timemask, 0.0)
+            if not full:
+                timemask = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < x_len.unsqueeze(1)
+                x = x.masked_fill(~timemask, 0.0)
         s = torch.view_as_real(f.stft(x))
         re, im = s[..., 0], s[..., 1]
         x = torch.sqrt(re * re + im * im)
@@ -511,8 +514,9 @@ class STTEngine:
             x = torch.log(x + f.log_zero_guard_value_fn(x))
         else:
             x = torch.log(torch.clamp(x, min=f.log_zero_guard_value_fn(x)))
-        mask = torch.arange(x.size(-1), device=x.device).repeat(x.size(0), 1) >= seq_len.unsqueeze(1)
-        x = x.masked_fill(mask.unsqueeze(1), f.pad_value)
+        if not full:
+            mask = torch.arange(x.size(-1), device=x.device).repeat(x.size(0), 1) >= seq_len.unsqueeze(1)
+            x = x.masked_fill(mask.unsqueeze(1), f.pad_value)
         return x.to(self.preprocessor.dtype_sentinel_tensor.dtype)
 
     def _events(self, st: _Stream) -> list[STTEvent]:
