@@ -445,7 +445,7 @@ def test_fast_features_and_pre_encode_match_nemo(tiny):
     also for rows shorter than the batch (the frames past a row's length are don't-care)."""
     cfg, model = tiny
     eng = _engine(tiny, framing="nemo")
-    assert eng._fast_feats and eng._fast_pre is not None
+    assert eng._features.fast and eng._fast_pre is not None
     w = 18080
     x = torch.from_numpy(np.stack([speech_like_audio(w / 16000, seed=i)[:w] for i in range(3)]))
     for xl in (torch.full((3,), w), torch.tensor([w, w - 3000, 900])):

@@ -138,7 +138,10 @@ def label_loop_decode_chunk(
     operations, which is what an overhead-bound step wants. The joint over all frames costs
     ``T`` times a one-frame joint, so for a large vocabulary and joint on a slow device the frame
     loop can be cheaper (``STTConfig.decoder``). A row that finds no label is done for the chunk
-    (its prediction state only changes when it emits).
+    (its prediction state only changes when it emits). "Same decisions" holds as long as the joint's
+    matmul rounds a row the same whatever the number of rows (true of the CPU kernels here, tested);
+    a GPU library may pick another kernel for B*T rows than for B, so a near-tie can break the other
+    way there, as it can between any two GPU runs of different batch sizes.
     """
     B, T, _ = f.shape
     dev = f.device

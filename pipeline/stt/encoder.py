@@ -85,7 +85,10 @@ class KVCacheLayersStep(NemoLayersStep):
     def supports(enc) -> bool:
         return (
             not enc.training
-            and enc.att_context_style in ("chunked_limited", "regular")
+            # chunked_limited: every frame of a chunk is output (no look-ahead frames to trim, as
+            # "regular" has via valid_out_len) and nothing is dropped from the caches
+            and enc.att_context_style == "chunked_limited"
+            and enc.streaming_cfg.cache_drop_size == 0
             and getattr(enc, "reduction_position", None) is None
             and getattr(enc, "out_proj", None) is None
             and enc.streaming_cfg.last_channel_cache_size > 0

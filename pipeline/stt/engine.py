@@ -18,6 +18,7 @@ import torch
 from pipeline.stt.config import STTConfig
 from pipeline.stt.decoding import PredictionStep, greedy_decode_chunk, label_loop_decode_chunk
 from pipeline.stt.encoder import KVCacheLayersStep, NemoLayersStep
+from pipeline.stt.features import ChunkFeatures
 from pipeline.stt.subsampling import CausalDwStriding
 
 _CTX_FRAMES = 2  # mel frames of left audio context per chunk (window 512 > hop 160 * 2 + 1 pre-emphasis sample)
@@ -103,7 +104,7 @@ class STTEngine:
         if getattr(model.joint, "num_extra_outputs", 0):
             raise NotImplementedError("TDT / multi-output joints are not supported by the greedy RNNT step")
         self.preprocessor = model.preprocessor
-        self._fast_feats = self._fast_features_ok()
+        self._features = ChunkFeatures(model.preprocessor)
         fast_pre = cfg.fast_subsampling and CausalDwStriding.supports(enc.pre_encode)
         self._fast_pre = CausalDwStriding(enc.pre_encode) if fast_pre else None
         self.n_first, self.n_next = sc.chunk_size  # mel frames: first chunk, later chunks
@@ -360,7 +361,7 @@ class STTEngine:
 
     @torch.inference_mode()
     def _advance(self, streams: list[_Stream], last: list[bool]) -> None:
-        dev, dt = self.device, self.dtype
+        dev = self.device
         first = [st.next_frame == 0 and not self.nemo_framing for st in streams]
         segs, nfr = zip(*(self._segment(st, ls) for st, ls in zip(streams, last)))
         B = len(streams)
@@ -372,7 +373,7 @@ class STTEngine:
         audio = np.zeros((B, width), np.float32)
         for b, s in enumerate(segs):
             audio[b, : len(s)] = s
-        x = torch.from_numpy(audio).to(dev, dt, non_blocking=True)
+        x = torch.from_numpy(audio).to(dev, torch.float32, non_blocking=True)  # features in float32, as NeMo
         x_len = torch.from_numpy(seg_len).to(dev)
         feats = self._features(x, x_len, full=bool((seg_len == width).all()))
         span = max(max(nfr), self.n_next)
@@ -469,55 +470,6 @@ class STTEngine:
         if self._fast_pre is not None:
             return self._fast_pre(x, lengths, full)
         return self.enc.pre_encode(x=x, lengths=lengths)
-
-    def _fast_features_ok(self) -> bool:
-        f = self.preprocessor.featurizer
-        return (
-            type(f).__name__ == "FilterbankFeatures"
-            and not f.training
-            and not self.preprocessor.training
-            and getattr(f, "stft_pad_amount", None) is None
-            and not getattr(f, "exact_pad", False)
-            and not getattr(f, "use_grads", False)
-            and getattr(f, "frame_splicing", 1) == 1
-            and (not f.normalize or str(f.normalize).lower() in ("na", "none"))  # normalize_batch: identity
-            and f.pad_to == 0
-            and bool(f.log)
-            and f.log_zero_guard_type in ("add", "clamp")
-            and int(f.n_fft) % 2 == 0
-        )
-
-    def _features(self, x: torch.Tensor, x_len: torch.Tensor, full: bool = False) -> torch.Tensor:
-        """``model.preprocessor(x, x_len)[0]``, op for op, except the STFT magnitude: NeMo's
-        ``sqrt(view_as_real(s).pow(2).sum(-1))`` reduces a size-2 inner dim (slow on CPU); re*re + im*im
-        is the same two-term float sum, so the features are bitwise equal. ``full`` (every row is
-        known on the host to be as long as the batch): the two length masks are skipped; they then only
-        touch the last frame, which lies past every chunk's frames (``_advance`` reads frames < len // hop)."""
-        if not self._fast_feats:
-            return self.preprocessor(input_signal=x, length=x_len)[0]
-        f = self.preprocessor.featurizer
-        x = x.to(torch.float32)
-        seq_len = torch.floor_divide(x_len + f.n_fft // 2 * 2 - f.n_fft, f.hop_length).to(torch.long)
-        seq_len = torch.where(x_len == 0, torch.zeros_like(seq_len), seq_len)
-        if f.preemph is not None:
-            x = torch.cat((x[:, 0].unsqueeze(1), x[:, 1:] - f.preemph * x[:, :-1]), dim=1)
-            if not full:
-                timemask = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < x_len.unsqueeze(1)
-                x = x.masked_fill(~timemask, 0.0)
-        s = torch.view_as_real(f.stft(x))
-        re, im = s[..., 0], s[..., 1]
-        x = torch.sqrt(re * re + im * im)
-        if f.mag_power != 1.0:
-            x = x.pow(f.mag_power)
-        x = torch.matmul(f.fb.to(x.dtype), x)
-        if f.log_zero_guard_type == "add":
-            x = torch.log(x + f.log_zero_guard_value_fn(x))
-        else:
-            x = torch.log(torch.clamp(x, min=f.log_zero_guard_value_fn(x)))
-        if not full:
-            mask = torch.arange(x.size(-1), device=x.device).repeat(x.size(0), 1) >= seq_len.unsqueeze(1)
-            x = x.masked_fill(mask.unsqueeze(1), f.pad_value)
-        return x.to(self.preprocessor.dtype_sentinel_tensor.dtype)
 
     def _events(self, st: _Stream) -> list[STTEvent]:
         events = []
