@@ -181,6 +181,27 @@ def test_finish_result_words_match_text_and_audio(tiny):
     assert words[-1]["end_ms"] <= len(pcm) / 16 + 80  # within the audio (one frame of rounding)
 
 
+def test_bfloat16_engine(tiny, tmp_path):
+    """dtype bfloat16 (the GPU setting) loads the model in bf16, keeps the slot state in bf16 and the
+    audio in float32 up to the features, and recognises speech; unknown dtypes are refused."""
+    from pipeline.stt.model import load_model
+
+    cfg, model = tiny
+    bf = STTConfig(**{**cfg.__dict__, "dtype": "bfloat16"})
+    m16 = load_model(bf)
+    assert {p.dtype for p in m16.parameters()} == {torch.bfloat16}
+    engine = STTEngine(m16, bf)
+    assert engine.caches[0].dtype == engine.hc.dtype == torch.bfloat16
+    pcm = speech_like_audio(3.0, seed=5)
+    engine.open("b")
+    engine.feed("b", pcm)
+    text, tokens, words = engine.finish_result("b")
+    ref = offline_tokens(model, pcm)
+    assert text and words and 0.5 * len(ref) <= len(tokens) <= 1.5 * len(ref)
+    with pytest.raises(ValueError, match="dtype"):
+        STTConfig(dtype="int8")
+
+
 def test_slot_exhaustion_and_close(tiny):
     engine = _engine(tiny, num_slots=2)
     engine.open("a")

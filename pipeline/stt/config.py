@@ -17,6 +17,7 @@ class STTConfig:
     num_slots: int = 8
     endpoint_ms: Optional[int] = 800  # trailing blank run that ends an utterance; None disables
     device: str = "cpu"
+    dtype: str = "float32"  # weights and activations: "float32" | "bfloat16" (GPU); features stay float32
     compile: bool = False  # torch.compile the encoder layers
     blank_bias: Optional[float] = None  # added to the blank logit; None = calibrated (tiny) / 0 (real)
     unrolled_lstm: bool = True  # prediction-net step with torch.lstm_cell instead of nn.LSTM
@@ -53,6 +54,8 @@ class STTConfig:
             self.model = self.REAL_MODEL
         if self.framing not in ("exact", "nemo"):
             raise ValueError(f"STTConfig.framing must be 'exact' or 'nemo', got {self.framing!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"STTConfig.dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         if self.decoder not in ("label_loop", "frame_loop"):
             raise ValueError(f"STTConfig.decoder must be 'label_loop' or 'frame_loop', got {self.decoder!r}")
         self.att_context_size = [int(x) for x in self.att_context_size]

@@ -289,12 +289,13 @@ def load_real_model(name_or_path: str, device: str = "cpu"):
 
 def load_model(cfg: STTConfig):
     if cfg.profile == "tiny":
-        return build_tiny_model(cfg)
-    model = load_real_model(cfg.model, cfg.device)
-    model.encoder.set_default_att_context_size(list(cfg.att_context_size))
-    if cfg.blank_bias:
-        set_blank_bias(model, cfg.blank_bias)
-    return model
+        model = build_tiny_model(cfg)  # built and calibrated in float32
+    else:
+        model = load_real_model(cfg.model, cfg.device)
+        model.encoder.set_default_att_context_size(list(cfg.att_context_size))
+        if cfg.blank_bias:
+            set_blank_bias(model, cfg.blank_bias)
+    return model.to(getattr(torch, cfg.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
