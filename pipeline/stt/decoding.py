@@ -67,6 +67,21 @@ def joint_logits(joint, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return joint.joint_net(f + g[:, None, :])
 
 
+def _emit_step(joint, pred: PredictionStep, blank: int, emit, labels, g, hc):
+    """Advance the prediction state of the rows that emit ``labels`` (others keep theirs)."""
+    g_new, hc_new = pred(torch.where(emit, labels, blank), hc)
+    g = torch.where(emit[:, None], joint.project_prednet(g_new), g)
+    return g, torch.where(emit[None, :, None], hc_new, hc)
+
+
+def _stacked(out_labels: list, out_frames: list, B: int, dev, g, hc):
+    """(labels [B, I], frames [B, I], g, hc) from the per-iteration lists."""
+    if not out_labels:
+        empty = torch.empty(B, 0, dtype=torch.long, device=dev)
+        return empty, empty, g, hc
+    return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, hc
+
+
 @torch.inference_mode()
 def greedy_decode_chunk(
     joint,
@@ -102,18 +117,13 @@ def greedy_decode_chunk(
         emit = active & (k != blank)
         out_labels.append(torch.where(emit, k, -1))
         out_frames.append(t)
-        g_new, hc_new = pred(torch.where(emit, k, blank), hc)
-        g = torch.where(emit[:, None], joint.project_prednet(g_new), g)
-        hc = torch.where(emit[None, :, None], hc_new, hc)
+        g, hc = _emit_step(joint, pred, blank, emit, k, g, hc)
         sym = torch.where(emit, sym + 1, sym)
         adv = active & (~emit | (sym >= max_symbols))
         sym = torch.where(adv, 0, sym)
         t = t + adv.long()
         it += 1
-    if not out_labels:
-        empty = torch.empty(B, 0, dtype=torch.long, device=dev)
-        return empty, empty, g, hc
-    return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, hc
+    return _stacked(out_labels, out_frames, B, dev, g, hc)
 
 
 @torch.inference_mode()
@@ -162,14 +172,9 @@ def label_loop_decode_chunk(
         lab = k.gather(1, at[:, None])[:, 0]
         out_labels.append(torch.where(emit, lab, -1))
         out_frames.append(at)
-        g_new, hc_new = pred(torch.where(emit, lab, blank), hc)
-        g = torch.where(emit[:, None], joint.project_prednet(g_new), g)
-        hc = torch.where(emit[None, :, None], hc_new, hc)
+        g, hc = _emit_step(joint, pred, blank, emit, lab, g, hc)
         sym = torch.where(at == t, sym, 0) + 1
         step_on = sym >= max_symbols
         t = torch.where(emit, at + step_on, f_len)
         sym = sym.masked_fill(step_on, 0)
-    if not out_labels:
-        empty = torch.empty(B, 0, dtype=torch.long, device=dev)
-        return empty, empty, g, hc
-    return torch.stack(out_labels, 1), torch.stack(out_frames, 1), g, hc
+    return _stacked(out_labels, out_frames, B, dev, g, hc)

@@ -65,7 +65,11 @@ class NemoLayersStep:
         ch, tm, _ = self.enc.get_initial_cache_state(batch_size=1)
         return tm.shape[-1]
 
-    def __call__(self, pre, pre_len, caches: list[torch.Tensor], cache_len: torch.Tensor):
+    def positions(self, T: int) -> None:
+        """Per-chunk-shape constants to pass to ``__call__`` (NeMo's loop computes its own)."""
+        return None
+
+    def __call__(self, pre, pre_len, caches: list[torch.Tensor], cache_len: torch.Tensor, pos=None):
         out = self.enc.forward_internal(
             pre,
             pre_len,
@@ -152,12 +156,11 @@ class KVCacheLayersStep(NemoLayersStep):
         # masked scores as an additive bias: exp() of a score near -1e4 is 0 like NeMo's masked_fill
         # (a valid frame always sees itself, so no valid row is all masked); [B, 1, T, C + T]
         bias = torch.zeros(att_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(att_mask, -INF_VAL)[:, None]
-        keep = T - enc.streaming_cfg.cache_drop_size
         ks, vs, ts = [], [], []
         for i, layer in enumerate(enc.layers):
             residual = x + layer.feed_forward1(layer.norm_feed_forward1(x)) * layer.fc_factor
             xn = layer.norm_self_att(residual)
-            att, k_next, v_next = self._attention(layer.self_attn, xn, bias, pos[i], k_cache[i], v_cache[i], keep)
+            att, k_next, v_next = self._attention(layer.self_attn, xn, bias, pos[i], k_cache[i], v_cache[i])
             residual = residual + att
             conv, t_next = self._conv(layer.conv, layer.norm_conv(residual), pad_mask, t_cache[i])
             residual = residual + conv
@@ -166,11 +169,11 @@ class KVCacheLayersStep(NemoLayersStep):
             ks.append(k_next)
             vs.append(v_next)
             ts.append(t_next)
-        out_len = torch.clamp(cache_len + keep, max=C)
+        out_len = torch.clamp(cache_len + T, max=C)  # no cache drop (supports()): all T frames kept
         return x.transpose(1, 2), pre_len, [torch.stack(ks), torch.stack(vs), torch.stack(ts)], out_len
 
     @staticmethod
-    def _attention(attn, xn, bias, p, k_cache, v_cache, keep: int):
+    def _attention(attn, xn, bias, p, k_cache, v_cache):
         """RelPositionMultiHeadAttention with cached key/value projections.
 
         The relative-position term is one matmul per head over the batch's frames ([h, B*T, d_k] x
@@ -183,11 +186,7 @@ class KVCacheLayersStep(NemoLayersStep):
         k = torch.cat([k_cache, k_new], 1)
         v = torch.cat([v_cache, v_new], 1)
         S = k.shape[1]
-        if keep == T:
-            k_next, v_next = k[:, T:], v[:, T:]
-        else:
-            k_next = torch.cat([k_cache[:, keep:], k_new[:, :keep]], 1)
-            v_next = torch.cat([v_cache[:, keep:], v_new[:, :keep]], 1)
+        k_next, v_next = k[:, T:], v[:, T:]  # the last C frames (nothing dropped)
         q = attn.linear_q(xn).view(B, T, h, dk)
         q_u = (q + attn.pos_bias_u).transpose(1, 2)  # [B, h, T, dk]
         q_v = (q + attn.pos_bias_v).permute(2, 0, 1, 3).reshape(h, B * T, dk)
@@ -212,8 +211,7 @@ class KVCacheLayersStep(NemoLayersStep):
         if dw._right_padding:
             y = torch.nn.functional.pad(y, (0, 0, 0, dw._right_padding))
         full = torch.cat([cache.transpose(1, 2), y], 1)  # [B, K-1 + T (+ right), d]
-        nxt = full[:, : full.shape[1] - dw.cache_drop_size] if dw.cache_drop_size else full
-        nxt = nxt[:, -cache.shape[-1] :].transpose(1, 2)
+        nxt = full[:, -cache.shape[-1] :].transpose(1, 2)  # no cache drop (supports())
         K = dw.kernel_size[0]
         y = (full.unfold(1, K, 1) * dw.weight[:, 0]).sum(-1) + dw.bias  # [B, T, d]
         if conv.norm_type == "layer_norm":

@@ -423,13 +423,12 @@ class STTEngine:
             pre, pre_len = pre.index_select(0, inv), pre_len.index_select(0, inv)
 
         # ---- encoder layers, one call for the whole batch, on gathered caches
-        extra = {"pos": self.enc_step.positions(pre.shape[1])} if isinstance(self.enc_step, KVCacheLayersStep) else {}
         enc_out, enc_len, caches, ch_len = self._layers(
             pre,
             pre_len,
             [cache.index_select(1, idx) for cache in self.caches],
             self.cache_len.index_select(0, idx),
-            **extra,
+            pos=self.enc_step.positions(pre.shape[1]),
         )
         for cache, new in zip(self.caches, caches):
             cache.index_copy_(1, idx, new)

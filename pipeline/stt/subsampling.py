@@ -98,13 +98,14 @@ class CausalDwStriding:
         B, T, Fq = x.shape
         C = self.channels
         lengths = lengths.to(torch.long)
+        out_lengths = self.output_lengths(lengths)
         if not full:
             x = x * (torch.arange(T, device=x.device) < lengths[:, None]).to(x.dtype)[:, :, None]
         t, f = _out_len(T), _out_len(Fq)
         patches = F.pad(x, (2, 1, 2, 1)).unfold(1, 3, 2).unfold(2, 3, 2)  # [B, t, f, 3, 3]
         h = torch.addmm(self.first.bias, patches.reshape(-1, 9), self._first_kernel()).view(B, t, f, C).relu_()
         for dw, pw in self.stages:
-            if not full:
+            if not full:  # lengths after the previous layer, for this layer's input mask
                 lengths = _out_len(lengths)
                 h = h * (torch.arange(t, device=h.device) < lengths[:, None]).to(h.dtype)[:, :, None, None]
             t2, f2 = _out_len(t), _out_len(f)
@@ -114,4 +115,4 @@ class CausalDwStriding:
             t, f = t2, f2
         # NeMo flattens [B, C, T', F'] as (C, F') per frame
         out = self.pe.out(h.permute(0, 1, 3, 2).reshape(B, t, C * f))
-        return out, (_out_len(lengths) if not full else self.output_lengths(lengths))
+        return out, out_lengths
