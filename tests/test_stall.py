@@ -32,7 +32,8 @@ def counter():
 
 @pytest.fixture(scope="module")
 def warm(counter):
-    cfg = TTSConfig.tiny(max_frames=12, max_seq_len=128, prefill_buckets=(64, 128), encode_buckets=(13, 25),
+    # two slots: frame-step graphs at widths 1 and 2 (inductor needs minutes per graph on 2 cores)
+    cfg = TTSConfig.tiny(max_frames=12, max_seq_len=128, prefill_buckets=(64, 128), encode_buckets=(13, 25), num_slots=2,
                          compile=True, compile_backend=BACKEND, stance_after_warmup="fail_on_recompile")
     engine = TTSEngine(cfg)
     before = counter.total

@@ -7,8 +7,9 @@ import torch
 
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, arch_from_hf_config, load_csm, map_hf_state_dict, tiny_arch
-from pipeline.tts.engine import Segment, TTSEngine
-from pipeline.tts.mimi import FRAME_SIZE, StreamingDecoder, decode_streaming_modules
+from pipeline.tts.engine import Segment, TTSBusyError, TTSEngine
+from pipeline.tts.mimi import FRAME_SIZE, SlotDecoder, load_mimi
+from pipeline.tts.sampling import race_noise
 
 torch.set_num_threads(1)
 
@@ -80,7 +81,7 @@ def test_parity_with_transformers(engine, hf_model):
         frame = torch.from_numpy(rng.integers(0, 2048, (1, k)))
         out = hf(input_ids=frame[:, None], cache=cache, use_cache=True)
         cache = out.cache
-        h = ours.backbone_step(frame, pos)
+        h = ours.backbone_step(frame, torch.tensor([pos]))
         pos += 1
         torch.testing.assert_close(ours.c0_logits(h), out.logits[:, -1], atol=1e-4, rtol=1e-4)
 
@@ -112,19 +113,54 @@ def test_load_csm_reads_a_transformers_checkpoint(hf_model, tmp_path):
     assert all(torch.equal(ours.state_dict()[k], ref[k]) for k in ref)
 
 
-# -- 2. Mimi streaming decode ------------------------------------------------------------------
+# -- 2. Mimi streaming decode, per slot ----------------------------------------------------------
 @torch.inference_mode()
-def test_streaming_decode_matches_full_decode(engine):
-    mimi = engine.mimi
-    codes = torch.from_numpy(np.random.default_rng(1).integers(0, 2048, (1, 32, 10)))
-    full = mimi.decode(codes)[0, 0]
-    for _ in range(2):  # the second pass checks that close() left a clean state
-        dec = StreamingDecoder(mimi)
-        parts = [dec.decode(codes[..., :1])] + [dec.decode(codes[..., a : a + 3]) for a in range(1, 10, 3)]
+def test_slot_decode_matches_full_decode_and_masked_rows_keep_their_state():
+    """Two streams in one batched decode: each row's audio equals a whole-utterance decode of its
+    codes, although row 1 pauses (junk input, exec mask off) at some steps and row 0 at others."""
+    mimi = load_mimi("tiny", seed=0)
+    rng = np.random.default_rng(1)
+    codes = torch.from_numpy(rng.integers(0, 2048, (2, 32, 10)))
+    full = [mimi.decode(codes[r : r + 1])[0, 0] for r in range(2)]
+    pauses = [{4, 5}, {1, 2, 3, 9}]  # steps at which a row gets no frame
+    dec = SlotDecoder(mimi, rows=2)
+    try:
+        def run() -> list[torch.Tensor]:
+            done, out = [0, 0], [[], []]
+            for t in range(14):
+                active = [t not in pauses[r] and done[r] < 10 for r in range(2)]
+                frame = torch.from_numpy(rng.integers(0, 2048, (2, 32, 1)))  # junk where inactive
+                for r in range(2):
+                    if active[r]:
+                        frame[r] = codes[r, :, done[r] : done[r] + 1]
+                y = dec.decode(frame, torch.tensor(active))
+                for r in range(2):
+                    if active[r]:
+                        out[r].append(y[r])
+                        done[r] += 1
+            assert done == [10, 10]
+            return [torch.cat(o) for o in out]
+
+        for r, audio in enumerate(run()):
+            torch.testing.assert_close(audio, full[r], atol=1e-5, rtol=1e-4)
+        dec.reset(torch.tensor([True, True]))  # fresh rows: the same streams decode the same again
+        for r, audio in enumerate(run()):
+            torch.testing.assert_close(audio, full[r], atol=1e-5, rtol=1e-4)
+    finally:
         dec.close()
-        assert [len(p) for p in parts] == [FRAME_SIZE, 3 * FRAME_SIZE, 3 * FRAME_SIZE, 3 * FRAME_SIZE]
-        torch.testing.assert_close(torch.cat(parts), full, atol=1e-5, rtol=1e-4)
-        assert all(m._streaming_state is None for m in decode_streaming_modules(mimi))
+
+
+def test_race_noise_is_a_function_of_seed_and_counter_only():
+    seeds, counters = torch.tensor([7, 8, 7, 123456789]), torch.tensor([0, 0, 5, 2**40])
+    n = race_noise(seeds, counters, 32, 50)
+    assert n.shape == (4, 32, 50) and (n > 0).all()
+    torch.testing.assert_close(race_noise(seeds[2:3], counters[2:3], 32, 50)[0], n[2], rtol=0, atol=0)
+    assert not torch.equal(n[0], n[1]) and not torch.equal(n[0], n[2])
+    big = race_noise(torch.arange(64), torch.zeros(64, dtype=torch.long), 32, 50).flatten().double()
+    assert abs(big.mean().item() - 1.0) < 0.02 and abs(big.var().item() - 1.0) < 0.05  # Exp(1)
+    u = torch.exp(-big).sort().values  # uniform if Exp(1): Kolmogorov-Smirnov distance
+    ks = (u - torch.arange(1, len(u) + 1, dtype=torch.float64) / len(u)).abs().max().item()
+    assert ks < 1.36 / len(u) ** 0.5  # the 5 % critical value
 
 
 # -- 3. stream() ------------------------------------------------------------------------------
@@ -143,39 +179,40 @@ def test_stream_chunks_codes_and_active_requests(engine):
     assert s.codes.shape == (s.frames, 32) and s.codes.dtype == np.int64
     assert s.codes.min() >= 0 and s.codes.max() < 2048
     with torch.inference_mode():  # .codes are exactly the frames that produced the audio
-        ref = engine.mimi.decode(torch.from_numpy(s.codes).T[None])[0, 0]
+        ref = load_mimi("tiny", seed=cfg.seed).decode(torch.from_numpy(s.codes).T[None])[0, 0]  # the same weights
     ref16 = (ref.clamp(-1, 1) * 32767).round().numpy()
     assert np.abs(np.concatenate(chunks).astype(np.float64) - ref16).max() <= 4
 
-    # early close: the slot is released, the modules are clean, and generation is reproducible
+    # early close: the slot is released, and generation is reproducible
     early = engine.stream(text)
     first = next(early)
-    assert engine.active_requests == 1
+    assert engine.active_requests == 1 and early.row is not None
     early.close()
-    assert engine.active_requests == 0 and early.frames == cfg.first_chunk_frames
+    assert engine.active_requests == 0 and early.frames == cfg.first_chunk_frames and early.row is None
     assert list(early) == []
-    assert all(m._streaming_state is None for m in decode_streaming_modules(engine.mimi))
     assert len(first) == cfg.first_chunk_frames * FRAME_SIZE
 
-    # a new stream preempts one left open
+    # streams coexist: one left open does not stop another
     a = engine.stream(text)
     next(a)
     b = engine.stream("Goodbye.")
-    assert engine.active_requests == 1 and a.closed
+    assert engine.active_requests == 2
     assert sum(len(c) for c in b) == engine.max_frames_for("Goodbye.") * FRAME_SIZE
+    assert engine.active_requests == 1 and not a.closed
+    a.close()
     assert engine.active_requests == 0
 
 
 def test_stream_stops_at_all_zero_frame(engine, monkeypatch):
-    real_step = engine.csm.frame_step
+    frame = engine.fns["frame"]
     calls = {"n": 0}
 
-    def step(*args, **kwargs):
-        codes, h = real_step(*args, **kwargs)
+    def step(*args):
+        codes = frame(*args)
         calls["n"] += 1
-        return (torch.zeros_like(codes) if calls["n"] == 6 else codes), h
+        return torch.zeros_like(codes) if calls["n"] == 6 else codes
 
-    monkeypatch.setattr(engine.csm, "frame_step", step)
+    monkeypatch.setitem(engine.fns, "frame", step)
     s = engine.stream("one two three four five six seven eight")
     chunks = list(s)
     assert s.frames == 5 and sum(len(c) for c in chunks) == 5 * FRAME_SIZE
@@ -185,27 +222,25 @@ def test_stream_stops_at_all_zero_frame(engine, monkeypatch):
 # -- 4. prompt buckets ---------------------------------------------------------------------------
 @torch.inference_mode()
 def test_bucketed_prefill_equals_unpadded(engine):
-    """Padding a prompt at the end to its bucket changes nothing: same hidden state, same frames."""
+    """Padding a prompt at the end to its bucket changes nothing: same hidden state, same frames.
+    Row 0 holds the unpadded prompt (the plain prefill), row 1 the bucketed one; both then step
+    together, each at its own cache row."""
     rng = np.random.default_rng(3)
     ctx = [Segment(1, "Hi.", rng.integers(0, 2048, (7, 32)))]
     tokens, mask = engine.build_prompt("How are you?", ctx)
     assert engine.bucket_for(len(tokens)) > len(tokens)  # really padded
     csm = engine.csm
-
-    def greedy_frames(h, n=3):
-        out, codes = [], None
-        for i in range(n):
-            codes, h = csm.frame_step(h, codes, len(tokens) + i - 1, 0.0, 0)
-            out.append(codes)
-        return torch.cat(out), h
-
-    h_pad = engine.prefill(tokens, mask)
-    frames_pad, last_pad = greedy_frames(h_pad)
-    h_ref = csm.prefill(torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None])
-    frames_ref, last_ref = greedy_frames(h_ref)
+    h_ref = csm.prefill(torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None])  # cache row 0
+    h_pad = engine.prefill(tokens, mask, row=1)
     torch.testing.assert_close(h_pad, h_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(last_pad, last_ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(frames_pad, frames_ref)
+    h0, first = torch.cat([h_ref, h_pad]), torch.tensor([True, True])
+    pos = torch.full((2,), len(tokens), dtype=torch.long)
+    codes = torch.zeros(2, 32, dtype=torch.long)
+    greedy = torch.zeros(2)
+    for i in range(3):
+        codes = csm.frame_fn(h0, first, codes, pos + max(i - 1, 0), None, greedy, 0)
+        first = torch.tensor([False, False])
+        assert torch.equal(codes[0], codes[1]), i
     assert engine.prefill_buckets[-1] == engine.cfg.max_seq_len
 
 

@@ -28,10 +28,18 @@ class TTSConfig:
     temperature: float = 0.9  # <= 0: greedy
     top_k: int = 50
     speaker: int = 0
-    seed: int = 0
+    seed: int = 0  # tiny weights; and the first stream seed (each new stream takes the next one)
+    # -- many streams at once -------------------------------------------------------------------
+    # Streams generate together in one batched frame step, one cache row (slot) each. A stream
+    # that finds every slot taken waits (FIFO) for one; at most max_waiting wait.
+    num_slots: int = 8
+    # The frame step runs cache rows 0..W-1, W the smallest of these covering the highest busy row
+    # (a new stream takes the lowest free row). None: powers of two up to num_slots, and num_slots.
+    batch_widths: tuple[int, ...] | None = None
+    max_waiting: int = 64
     # -- stall-free serving (see docs/stall.md) -------------------------------------------------
-    # torch.compile the per-frame step (static KV cache, position as a tensor), every prefill
-    # bucket and every Mimi encode bucket. warmup() then runs each of these shapes once.
+    # torch.compile the per-frame step (one graph per batch width: static KV cache, positions as
+    # tensors), every prefill bucket and every Mimi encode bucket. warmup() then runs each of these shapes once.
     compile: bool = False
     compile_backend: str = "inductor"  # "aot_eager"/"eager" trace and guard the same way, without codegen
     compile_mode: str | None = None  # None: "reduce-overhead" (CUDA graphs) on CUDA, inductor's default on CPU
@@ -59,13 +67,15 @@ class TTSConfig:
     @classmethod
     def full(cls, **overrides) -> "TTSConfig":
         """Full-size CSM-1B + Mimi with random weights (benchmarks on a GPU; no checkpoint needed)."""
-        base = dict(profile="full", max_seq_len=2048, max_frames=250, device="cuda", dtype="bfloat16")
+        base = dict(profile="full", max_seq_len=2048, max_frames=250, device="cuda", dtype="bfloat16",
+                    num_slots=32)
         base.update(overrides)
         return cls(**base)
 
     @classmethod
     def real(cls, **overrides) -> "TTSConfig":
         """Sesame CSM-1B + Kyutai Mimi from local checkpoints (a GPU is needed for real time)."""
-        base = dict(profile="real", max_seq_len=2048, max_frames=250, device="cuda", dtype="bfloat16")
+        base = dict(profile="real", max_seq_len=2048, max_frames=250, device="cuda", dtype="bfloat16",
+                    num_slots=32)
         base.update(overrides)
         return cls(**base)

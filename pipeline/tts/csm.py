@@ -11,7 +11,8 @@ CSM generates one 80 ms Mimi frame (32 codebook tokens) per backbone position:
 
 Weights and the layout of rotary embeddings follow transformers' ``CsmForConditionalGeneration``
 (q/k/v and gate/up projections are fused here: :func:`map_hf_state_dict` concatenates them).
-Sampling (temperature, top-k, exponential-race draw) stays on the device: no host sync per token.
+Sampling (temperature, top-k, exponential-race draw, :mod:`pipeline.tts.sampling`) stays on the
+device: no host sync per token. The caches hold one row per stream: many streams step together.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pipeline.tts.sampling import sample_token
 
 
 @dataclass
@@ -124,20 +127,32 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
         # non-persistent buffers: static tensors that torch.compile / CUDA graphs see as module state
-        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("k_cache", None, persistent=False)  # [rows, n_kv, max_len, hd]
         self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x, rot, mask, input_pos):
+    def forward(self, x, rot, mask, pos, row=None):
+        """``x`` [B, T, D] at cache positions ``pos`` ([B or 1, T] long), ``rot`` its rotations
+        [B or 1, T, hd, hd], ``mask`` [B or 1, 1, T, max_len]. ``row`` None: batch row b is cache row
+        b (a prefix of the cache, a view: no copy); ``row`` [1] long: the one cache row of a
+        single-row call (a prompt prefill into a stream's slot)."""
         b, t, _ = x.shape
         h = self.n_heads + self.n_kv
         qkv = self.wqkv(x).view(b, t, h + self.n_kv, self.hd)
         qk = (qkv[:, :, :h] @ rot).transpose(1, 2)  # rotary on q and k at once
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, :, h:].transpose(1, 2)
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
-        y = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask,
-                                           enable_gqa=self.n_heads != self.n_kv)
+        if row is None:  # each row writes its own positions
+            kc, vc = self.k_cache[:b], self.v_cache[:b]
+            where = pos.view(-1, 1, t, 1).expand(b, self.n_kv, t, self.hd)
+            kc.scatter_(2, where, k)
+            vc.scatter_(2, where, v)
+        else:
+            heads = torch.arange(self.n_kv, device=x.device).view(1, -1, 1)
+            where = (row.view(1, 1, 1), heads, pos.view(1, 1, t))
+            self.k_cache.index_put_(where, k)
+            self.v_cache.index_put_(where, v)
+            kc, vc = self.k_cache.index_select(0, row), self.v_cache.index_select(0, row)
+        y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
 
 
@@ -150,14 +165,14 @@ class Block(nn.Module):
         self.w13 = nn.Linear(a.dim, 2 * a.ffn_dim, bias=False)  # gate | up
         self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)
 
-    def forward(self, x, rot, mask, input_pos):
-        x = x + self.attn(self.attn_norm(x), rot, mask, input_pos)
+    def forward(self, x, rot, mask, pos, row=None):
+        x = x + self.attn(self.attn_norm(x), rot, mask, pos, row)
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
 
 class Transformer(nn.Module):
-    """Llama decoder over a static KV cache of ``max_len`` positions."""
+    """Llama decoder over a static KV cache: ``rows`` independent sequences of ``max_len`` positions."""
 
     def __init__(self, a: TransformerArch):
         super().__init__()
@@ -166,10 +181,10 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.max_len = 0
 
-    def setup_cache(self, batch: int, max_len: int, device, dtype) -> None:
+    def setup_cache(self, rows: int, max_len: int, device, dtype) -> None:
         a = self.arch
         for layer in self.layers:
-            shape = (batch, a.n_kv_heads, max_len, a.head_dim)
+            shape = (rows, a.n_kv_heads, max_len, a.head_dim)
             layer.attn.k_cache = torch.zeros(shape, device=device, dtype=dtype)
             layer.attn.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.rot = rope_tables(max_len, a.head_dim, a.rope).to(device=device, dtype=dtype)
@@ -177,68 +192,28 @@ class Transformer(nn.Module):
         self.positions = torch.arange(max_len, device=device)
         self.max_len = max_len
 
-    def step(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One position given as a tensor ``pos`` ([1] long): x [B, 1, D] -> normed hidden [B, 1, D].
-
-        The position is data, not a Python int, so a compiled step has one static graph for every
-        position (an int argument would be specialized: a recompile per position)."""
-        rot, mask = self.rot.index_select(0, pos), self.causal.index_select(0, pos)
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] at positions ``pos`` ([B or 1, T] long: data, not Python ints, so a compiled
+        step has one graph for every position) -> normed hidden states [B, T, D]. Each row attends
+        to its own cache row up to its own position (see :meth:`Attention.forward` for ``row``)."""
+        rot = self.rot[pos]  # [B, T, hd, hd]
+        mask = self.causal[pos].unsqueeze(1)  # [B, 1, T, max_len]
         for layer in self.layers:
-            x = layer(x, rot, mask, pos)
+            x = layer(x, rot, mask, pos, row)
         return self.norm(x)
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Run positions ``start .. start + x.shape[1] - 1``; returns the normed hidden states."""
-        end = start + x.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"sequence position {end} beyond the KV cache ({self.max_len})")
-        input_pos = self.positions[start:end]
-        rot, mask = self.rot[start:end], self.causal[start:end]
-        for layer in self.layers:
-            x = layer(x, rot, mask, input_pos)
-        return self.norm(x)
-
-
-def race_width(top_k: int, n_valid: int) -> int:
-    """Entries a sampler draws among: ``top_k`` when it cuts, else all ``n_valid``."""
-    return top_k if 0 < top_k < n_valid else n_valid
-
-
-def draw_noise(batch: int, k: int, temperature: float, top_k: int, n_valid: int, device,
-               generator: torch.Generator | None) -> torch.Tensor | None:
-    """The Exp(1) race noise of one whole frame ([B, k, width]) in one draw; ``None`` when greedy.
-
-    Drawn outside the compiled step so that the compiled graph is a pure function of tensors
-    (no generator object inside the graph) and eager and compiled paths sample identically."""
-    if temperature <= 0:
-        return None
-    noise = torch.empty(batch, k, race_width(top_k, n_valid), device=device)
-    return noise.exponential_(1.0, generator=generator)
-
-
-def sample_token(logits: torch.Tensor, temperature: float, top_k: int, n_valid: int,
-                 generator: torch.Generator | None, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, V] logits -> [B, 1] token among the first ``n_valid`` entries, without a host sync.
-
-    ``noise`` ([B, width] Exp(1) draws, see :func:`draw_noise`) replaces the draw from ``generator``."""
-    logits = logits[..., :n_valid]
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    if 0 < top_k < n_valid:  # draw among the top k only: the race below then runs over k entries
-        logits, idx = torch.topk(logits, top_k, dim=-1, sorted=False)
-    else:
-        idx = None
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if noise is None:
-        race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # argmax(p / Exp(1)) ~ p
-    else:
-        race = noise
-    choice = (probs / race).argmax(dim=-1, keepdim=True)
-    return choice if idx is None else idx.gather(-1, choice)
+    def span(self, start: int, length: int) -> torch.Tensor:
+        """Positions ``start .. start + length - 1`` as a [1, length] tensor (shared by all rows)."""
+        if start + length > self.max_len:
+            raise ValueError(f"sequence position {start + length} beyond the KV cache ({self.max_len})")
+        return self.positions[start : start + length].view(1, length)
 
 
 class CSM(nn.Module):
-    """Backbone + depth decoder. Call :meth:`setup_caches` once before generating."""
+    """Backbone + depth decoder. Call :meth:`setup_caches` once before generating.
+
+    The caches hold ``rows`` independent streams (one per engine slot). The per-frame step
+    (:meth:`frame_fn`) runs rows ``0 .. W-1`` together, each at its own position."""
 
     def __init__(self, arch: CSMArch):
         super().__init__()
@@ -268,15 +243,11 @@ class CSM(nn.Module):
     def max_seq_len(self) -> int:
         return self.backbone.max_len
 
-    def setup_caches(self, max_seq_len: int, batch: int = 1) -> None:
+    def setup_caches(self, max_seq_len: int, rows: int = 1) -> None:
         p = next(self.parameters())
-        self.backbone.setup_cache(batch, max_seq_len, p.device, p.dtype)
-        self.decoder.setup_cache(batch, self.arch.num_codebooks, p.device, p.dtype)
+        self.backbone.setup_cache(rows, max_seq_len, p.device, p.dtype)
+        self.decoder.setup_cache(rows, self.arch.num_codebooks, p.device, p.dtype)
         self.offsets = self.offsets.to(p.device)
-        self.depth_pos0 = torch.zeros(1, dtype=torch.long, device=p.device)
-        # static inputs of the per-frame step (filled in place: fixed addresses for CUDA graphs)
-        self.step_pos = torch.zeros(1, dtype=torch.long, device=p.device)
-        self.step_codes = torch.zeros(batch, self.arch.num_codebooks, dtype=torch.long, device=p.device)
 
     # -- embeddings ---------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -293,23 +264,23 @@ class CSM(nn.Module):
 
     # -- backbone -----------------------------------------------------------------------------
     def prefill(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Run the whole prompt at positions 0..T-1 in one call; returns the last hidden [B, D]."""
-        return self.backbone(self.embed(tokens, mask), 0)[:, -1]
+        """Run a prompt at positions 0..T-1 in cache rows 0..B-1; returns the last hidden [B, D]."""
+        return self.backbone(self.embed(tokens, mask), self.backbone.span(0, tokens.shape[1]))[:, -1]
 
-    def prefill_at(self, tokens: torch.Tensor, mask: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Prefill of a prompt padded at the END to a bucket length: returns the hidden state of row
-        ``last`` ([1] long, the last real row) as a contiguous [B, D].
+    def prefill_at(self, tokens: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
+                   row: torch.Tensor) -> torch.Tensor:
+        """One prompt ([1, T, K+1], padded at the END to a bucket length) into cache row ``row``
+        ([1] long); returns the hidden state of row ``last`` ([1] long, the last real row), [1, D].
 
         Equal to :meth:`prefill` of the unpadded prompt: pad rows sit after every real row, so the
         causal mask hides them from the real rows; generation then starts at position ``last + 1``
         and overwrites their cache entries one by one (each is masked until overwritten)."""
-        return self.backbone(self.embed(tokens, mask), 0).index_select(1, last)[:, 0]
+        pos = self.backbone.span(0, tokens.shape[1])
+        return self.backbone(self.embed(tokens, mask), pos, row).index_select(1, last)[:, 0]
 
-    def backbone_step(self, codes: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
-        """Feed one generated frame at position ``pos``; returns its hidden state [B, D]."""
-        if not isinstance(pos, torch.Tensor):
-            pos = torch.tensor([pos], dtype=torch.long, device=codes.device)
-        return self.backbone.step(self.embed_frame(codes), pos)[:, -1]
+    def backbone_step(self, codes: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Feed one generated frame per row ([B, K]) at positions ``pos`` ([B] long); hidden [B, D]."""
+        return self.backbone(self.embed_frame(codes), pos.view(-1, 1))[:, -1]
 
     def c0_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.codebook0_head(h)
@@ -319,65 +290,43 @@ class CSM(nn.Module):
         """Teacher-forced: backbone hidden [B, D] + codes c0..c_{n-1} [B, n] -> logits of c1..c_n [B, n, V]."""
         n = codes.shape[1]
         emb = self.audio_embeddings(codes + self.offsets[:n])
-        x = self.decoder(self.projection(torch.cat([h.unsqueeze(1), emb], dim=1)), 0)
+        x = self.decoder(self.projection(torch.cat([h.unsqueeze(1), emb], dim=1)), self.decoder.span(0, n + 1))
         return torch.einsum("bnd,ndv->bnv", x[:, 1:], self.audio_head[:n])
 
-    def sample_frame(self, h: torch.Tensor, temperature: float, top_k: int,
-                     generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+    def sample_frame(self, h: torch.Tensor, temperature: torch.Tensor | float, top_k: int,
+                     noise: torch.Tensor | None = None) -> torch.Tensor:
         """One frame from backbone hidden ``h`` [B, D]: c0, then 31 depth steps. Returns [B, K] on device.
 
-        ``noise`` ([B, K, width], :func:`draw_noise`) replaces per-token draws from ``generator``."""
+        ``temperature``: per row [B] (or one float); ``noise`` [B, K, width] (:func:`race_noise`),
+        ``None``: greedy."""
         k = self.arch.num_codebooks
-        c = sample_token(self.c0_logits(h), temperature, top_k, self.n_valid, generator,
-                         None if noise is None else noise[:, 0])
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.full((h.shape[0],), float(temperature), device=h.device)
+        c = sample_token(self.c0_logits(h), temperature, top_k, self.n_valid, None if noise is None else noise[:, 0])
         out = [c]
         x = self.projection(torch.stack([h, self.audio_embeddings(c[:, 0])], dim=1))
         for i in range(1, k):
-            y = self.decoder(x, 0 if i == 1 else i)[:, -1]
-            c = sample_token(y @ self.audio_head[i - 1], temperature, top_k, self.n_valid, generator,
+            y = self.decoder(x, self.decoder.span(0 if i == 1 else i, x.shape[1]))[:, -1]
+            c = sample_token(y @ self.audio_head[i - 1], temperature, top_k, self.n_valid,
                              None if noise is None else noise[:, i])
             out.append(c)
             if i < k - 1:
                 x = self.projection(self.audio_embeddings(c + self.offsets[i]))
         return torch.cat(out, dim=1)
 
-    # -- the per-frame step: two fixed-shape functions of tensors only (what torch.compile sees) --
-    def first_frame_fn(self, h: torch.Tensor, noise: torch.Tensor | None, temperature: float,
-                       top_k: int) -> torch.Tensor:
-        """Frame 0 of an utterance: sample from the prefill's hidden state."""
-        return self.sample_frame(h, temperature, top_k, noise=noise)
+    # -- the per-frame step: a fixed-shape function of tensors only (what torch.compile sees) ------
+    def frame_fn(self, h0: torch.Tensor, first: torch.Tensor, prev_codes: torch.Tensor, pos: torch.Tensor,
+                 noise: torch.Tensor | None, temperature: torch.Tensor, top_k: int) -> torch.Tensor:
+        """One frame for cache rows 0..W-1 at once; returns their codes [W, K].
 
-    def next_frame_fn(self, prev_codes: torch.Tensor, pos: torch.Tensor, noise: torch.Tensor | None,
-                      temperature: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Later frames: feed the previous frame at ``pos`` ([1] long), then sample."""
-        h = self.backbone.step(self.embed_frame(prev_codes), pos)[:, -1]
-        return self.sample_frame(h, temperature, top_k, noise=noise), h
-
-    def frame_step(self, h: torch.Tensor, prev_codes: torch.Tensor | None, pos: int, temperature: float,
-                   top_k: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One frame: feed ``prev_codes`` at ``pos`` (if any) into the backbone, then sample.
-
-        Returns ``(codes [B, K], h)``: the new frame and the hidden state it was sampled from.
-        Inputs are copied into static buffers (``step_pos``, ``step_codes``) and the race noise is
-        drawn here, so the step functions (``step_fns``, compiled or not) always see the same
-        shapes, strides and addresses whatever the position.
-        """
-        first, nxt = self.step_fns
-        noise = draw_noise(h.shape[0], self.arch.num_codebooks, temperature, top_k, self.n_valid, h.device,
-                           generator)
-        if prev_codes is None:
-            return first(h.contiguous(), noise, temperature, top_k), h
-        self.step_pos.fill_(pos)
-        self.step_codes.copy_(prev_codes)
-        return nxt(self.step_codes, self.step_pos, noise, temperature, top_k)
-
-    @property
-    def step_fns(self):
-        """(first, next) step callables; the engine swaps in compiled/gated ones (``set_step_fns``)."""
-        return getattr(self, "_step_fns", None) or (self.first_frame_fn, self.next_frame_fn)
-
-    def set_step_fns(self, first, nxt) -> None:
-        self._step_fns = (first, nxt)
+        Row b either starts its utterance (``first[b]``: sample from its prefill's hidden state
+        ``h0[b]``) or continues it (feed its previous frame ``prev_codes[b]`` at position ``pos[b]``,
+        then sample). Both kinds share one backbone call: a starting row's backbone output is
+        discarded, and what it wrote at ``pos[b]`` (its first generated position) is overwritten
+        by the next step before anything reads it. Rows without a stream compute and are ignored."""
+        h = self.backbone_step(prev_codes, pos)
+        h = torch.where(first.view(-1, 1), h0, h)
+        return self.sample_frame(h, temperature, top_k, noise)
 
 
 # -- checkpoints -------------------------------------------------------------------------------

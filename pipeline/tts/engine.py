@@ -1,20 +1,34 @@
-"""Streaming TTS: CSM generates Mimi frames, Mimi decodes them in streaming mode to int16 PCM.
+"""Streaming TTS for many streams at once: CSM generates Mimi frames in one batched step,
+Mimi decodes them in streaming mode to int16 PCM.
 
-Threading and concurrency: one engine serves ONE stream at a time, driven chunk by chunk from a
-single inference thread (the caller calls ``next()`` on the stream from that thread). CSM's static
-KV caches and Mimi's streaming decoder state live in the modules, so two interleaved streams would
-corrupt each other; the Ray deployment serializes streams per replica. Opening a new stream while
-another is still open closes the old one first (it then ends), which keeps ``active_requests`` at
-most 1 and always leaves the modules in a clean state.
+Continuous batching. The engine has ``num_slots`` slots; a slot is a row of CSM's static KV caches
+(backbone and depth decoder) and a row of Mimi's streaming decode state. A new stream waits
+(FIFO) for a free slot, takes the lowest one, and its prompt is prefilled into that row alone
+(one prefill per :meth:`TTSEngine.step`, so a joining stream holds the others up by one prefill
+at most). Every step then advances every stream with a slot by exactly one 80 ms frame: one
+frame step over cache rows ``0..W-1`` (``W`` the smallest batch width covering the busy rows;
+each row at its own position, with its own seed and temperature) and one Mimi decode over all
+rows, where moshi's exec mask leaves the rows without a new frame untouched. A stream that ends
+(an all-zero frame, or its frame budget) or is cancelled frees its slot at once, before the
+next step. Per step the host reads the new codes and PCM once.
 
-Per frame the hot loop runs one backbone position and 31 depth-decoder steps with fixed shapes and
-on-device sampling; the host sees the codes once per audio chunk (to find the end of speech, an
-all-zero frame) and the chunk's PCM.
+Threading: every engine call (``stream``, ``step``, ``cancel``, ``encode*``) runs on the one
+inference thread of the replica. ``TTSStream.take`` alone may run elsewhere (the service's
+event loop): it only pops published chunks off a deque.
 
-No stall at a turn boundary, by construction (docs/stall.md): every tensor function on the serving
-path has a closed set of input shapes (the per-frame step: one; the prompt prefill: one per prompt
-bucket; Mimi encode of user audio: one per encode bucket plus one streaming piece; the streaming
-decode: one per chunk size), ``warmup()`` runs each of them on the serving thread, and a
+Batch invariance: at a given batch width, a stream's codes do not depend on which rows step
+beside it or when it joined: its row attends only to its own cache row, and its sampling noise is
+a function of its own seed and frame counter (:func:`pipeline.tts.sampling.race_noise`). Across
+widths the matmul kernels differ (a 1-row GEMV vs a GEMM), so logits can differ by float
+rounding (~1e-7), which flips a sampled token that sits on a near-tie now and then; greedy codes
+stay equal. ``batch_widths=(num_slots,)`` (one width) makes sampled codes exactly invariant, at
+the cost of a full-width step when few streams run (cheap on a GPU, where the step is
+memory-bound; ~1.7x the 1-stream cost on the tiny CPU profile).
+
+No stall at a turn boundary, by construction (docs/stall.md): every tensor function on the
+serving path has a closed set of input shapes (the frame step: one per batch width; the prompt
+prefill: one per prompt bucket; Mimi encode of user audio: one per encode bucket plus one
+streaming piece; the decode: one), ``warmup()`` runs each of them on the serving thread, and a
 :class:`~pipeline.tts.static.StaticFn` gate keeps any shape warm-up did not see away from
 torch.compile. Bot turns reuse the codes they were generated from; audio is never re-encoded.
 """
@@ -22,8 +36,8 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
+from collections import deque
 from contextlib import ExitStack
 
 import numpy as np
@@ -31,151 +45,141 @@ import torch
 
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, load_csm, tiny_arch
-from pipeline.tts.mimi import (FRAME_SIZE, SAMPLE_RATE, StreamingDecoder, encode_streaming_modules, load_mimi,
-                               to_int16)
+from pipeline.tts.mimi import FRAME_SIZE, SAMPLE_RATE, SlotDecoder, encode_streaming_modules, load_mimi, to_int16
 from pipeline.tts.prompt import PromptBuilder, Segment
+from pipeline.tts.sampling import race_noise, race_width
 from pipeline.tts.static import StaticFn
 
-__all__ = ["TTSEngine", "TTSStream", "Segment"]
+__all__ = ["TTSEngine", "TTSStream", "TTSBusyError", "Segment"]
 
 log = logging.getLogger(__name__)
 USER_RATE = 16_000  # what the gateway and STT carry
 
 
+class TTSBusyError(RuntimeError):
+    """Every slot is taken and the waiting line is full."""
+
+
 class TTSStream:
-    """Iterator of int16 mono 24 kHz chunks for one utterance.
+    """One utterance: int16 mono 24 kHz chunks with the Mimi codes that made them.
 
     The first chunk covers ``first_chunk_frames`` frames, each later one ``chunk_frames`` (the last
-    may be shorter). ``.codes`` ([frames, 32] int64) and ``.frames`` hold the frames whose audio has
-    been yielded so far (all of them once the iteration ends). ``close()`` ends it early.
+    may be shorter). Iterating steps the engine until this stream has a chunk (other streams
+    advance too); a server instead steps the engine in a loop and calls :meth:`take`.
+    ``.codes`` ([frames, 32] int64) and ``.frames`` hold the frames whose audio has been taken so
+    far (all of them once the iteration ends). ``close()`` ends it early and frees its slot.
     """
 
-    def __init__(self, engine: "TTSEngine", tokens: np.ndarray, mask: np.ndarray, max_frames: int):
+    def __init__(self, engine: "TTSEngine", tokens: np.ndarray, mask: np.ndarray, max_frames: int,
+                 seed: int, temperature: float):
         self._engine = engine
         self.prompt_tokens, self.prompt_mask = tokens, mask
-        self.max_frames = max_frames
-        self._codes: list[np.ndarray] = []
-        self._generated = 0  # frames sampled on the device
-        self._h: torch.Tensor | None = None
-        self._buf: torch.Tensor | None = None
-        self._decoder: StreamingDecoder | None = None
-        self._started = False
-        self._done = False
-        self._closed = False
+        self.max_frames, self.seed, self.temperature = max_frames, seed, temperature
+        self.row: int | None = None  # the slot, while the stream holds one
+        self.generated = 0  # frames generated so far
+        self.finished = False  # no chunk will be published any more
+        self.closed = False  # cancelled by the consumer
         self.timings: dict[str, float] = {}
+        self._opened_at = time.perf_counter()
+        self._ready: deque[tuple[np.ndarray, np.ndarray]] = deque()  # published, not yet taken
+        self._pcm: list[np.ndarray] = []  # frames since the last published chunk
+        self._frame_codes: list[np.ndarray] = []
+        self._published = 0
+        self._taken: list[np.ndarray] = []
 
-    # -- public -----------------------------------------------------------------------------------
+    # -- consumer side ------------------------------------------------------------------------------
+    def take(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The next published chunk and its codes ([n, 32]), or None if none is ready."""
+        try:
+            pcm, codes = self._ready.popleft()
+        except IndexError:
+            return None
+        self._taken.append(codes)
+        return pcm, codes
+
     def __iter__(self) -> "TTSStream":
         return self
 
     def __next__(self) -> np.ndarray:
-        if self._done:
-            raise StopIteration
-        try:
-            chunk = self._next_chunk()
-        except BaseException:
-            self.close()
-            raise
-        if chunk is None:
-            self.close()
-            raise StopIteration
-        return chunk
+        while True:
+            item = self.take()
+            if item is not None:
+                return item[0]
+            if self.finished:
+                raise StopIteration
+            self._engine.step()
 
     @property
     def codes(self) -> np.ndarray:
-        if not self._codes:
+        if not self._taken:
             return np.zeros((0, self._engine.num_codebooks), dtype=np.int64)
-        return np.concatenate(self._codes)
+        return np.concatenate(self._taken)
 
     @property
     def frames(self) -> int:
-        return sum(len(c) for c in self._codes)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        return sum(len(c) for c in self._taken)
 
     def close(self) -> None:
-        """Release the decoder state and the engine slot (idempotent)."""
-        if self._closed:
+        """Stop generating and free the slot (idempotent; on the inference thread)."""
+        self._engine.cancel(self)
+
+    # -- engine side (inference thread) ----------------------------------------------------------------
+    def _add_frame(self, codes: np.ndarray, pcm: np.ndarray) -> None:
+        cfg = self._engine.cfg
+        self._frame_codes.append(codes)
+        self._pcm.append(pcm)
+        self.generated += 1
+        if len(self._pcm) >= (cfg.first_chunk_frames if self._published == 0 else cfg.chunk_frames):
+            self._publish()
+
+    def _publish(self) -> None:
+        if not self._pcm:
             return
-        self._closed = self._done = True
-        try:
-            if self._decoder is not None:
-                self._decoder.close()
-                self._decoder = None
-        finally:
-            self._h = self._buf = None
-            self._engine._release(self)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-    # -- generation --------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _start(self) -> None:
-        eng = self._engine
-        t0 = time.perf_counter()
-        dev = eng.device
-        self._h = eng.prefill(self.prompt_tokens, self.prompt_mask)
-        self._buf = torch.zeros(self.max_frames, eng.num_codebooks, dtype=torch.long, device=dev)
-        self._decoder = StreamingDecoder(eng.mimi)
-        self._started = True
-        self.timings["prefill_s"] = time.perf_counter() - t0
-
-    @torch.inference_mode()
-    def _next_chunk(self) -> np.ndarray | None:
-        eng, cfg = self._engine, self._engine.cfg
-        if not self._started:
-            self._start()
-        t0 = time.perf_counter()
-        start = self._generated
-        want = cfg.first_chunk_frames if start == 0 else cfg.chunk_frames
-        stop = min(start + max(1, want), self.max_frames)
-        if stop <= start:
-            return None
-        base = len(self.prompt_tokens)  # backbone position of generated frame 0
-        for i in range(start, stop):
-            prev = self._buf[i - 1 : i] if i > 0 else None
-            codes, self._h = eng.csm.frame_step(self._h, prev, base + i - 1, cfg.temperature, cfg.top_k,
-                                                eng.generator)
-            self._buf[i].copy_(codes[0])
-        self._generated = stop
-        host = self._buf[start:stop].cpu().numpy()  # the one sync per chunk
-        ends = np.flatnonzero(~host.any(axis=1))
-        valid = int(ends[0]) if len(ends) else len(host)
-        if valid == 0:
-            return None
-        audio = eng.fns["decode"](self._decoder, self._buf[start : start + valid].T.unsqueeze(0))
-        pcm = to_int16(audio)
-        self._codes.append(host[:valid].copy())
-        if valid < len(host) or stop >= self.max_frames:
-            self._done = True  # the iteration ends after this chunk
-            self.close()
-        self.timings.setdefault("first_chunk_s", time.perf_counter() - t0 + self.timings["prefill_s"])
-        self.timings["generate_s"] = self.timings.get("generate_s", 0.0) + time.perf_counter() - t0
-        return pcm
+        self._ready.append((np.concatenate(self._pcm), np.stack(self._frame_codes).astype(np.int64)))
+        self._pcm, self._frame_codes = [], []
+        self._published += 1
+        self.timings.setdefault("first_chunk_s", time.perf_counter() - self._opened_at)
 
 
 class TTSEngine:
-    """CSM + Mimi, one stream at a time (see the module docstring for the threading model)."""
+    """CSM + Mimi serving ``cfg.num_slots`` streams in one batched frame step (module docstring)."""
 
     sample_rate = SAMPLE_RATE
 
     def __init__(self, cfg: TTSConfig | None = None):
         self.cfg = cfg = cfg or TTSConfig.tiny()
         self.device = torch.device(cfg.device)
+        self.csm = self._load_csm()
+        self.csm.eval().requires_grad_(False)
+        self.num_slots = cfg.num_slots
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        self.csm.setup_caches(cfg.max_seq_len, rows=self.num_slots)
+        self.mimi = load_mimi(cfg.profile, cfg.mimi, device=cfg.device, seed=cfg.seed)
+        self.mimi.requires_grad_(False)
+        self.num_codebooks = self.csm.arch.num_codebooks
+        self.csm.n_valid = min(self.csm.arch.audio_vocab, self.mimi.cardinality)
+        self.prompts = PromptBuilder(self.tokenizer, self.num_codebooks)
+        self.prefill_buckets = self._prefill_buckets()
+        self.batch_widths = self._batch_widths()
+        self.encode_buckets = tuple(sorted({int(b) for b in cfg.encode_buckets}))
+        if not self.encode_buckets or self.encode_buckets[0] < 1:
+            raise ValueError(f"encode_buckets must be positive frame counts, got {cfg.encode_buckets!r}")
+        self.decoder = SlotDecoder(self.mimi, self.num_slots)
+        self._init_rows()
+        self._set_process_flags()
+        self._build_static_fns()
+        self.warm = False
+
+    def _load_csm(self) -> CSM:
+        cfg = self.cfg
         dtype = getattr(torch, cfg.dtype)
         if cfg.profile == "tiny":
             from pipeline.tokenizer import tiny_tokenizer
 
             self.tokenizer = tiny_tokenizer()
-            self.csm: CSM = CSM(tiny_arch(len(self.tokenizer))).init_random(cfg.seed)
-            self.csm = self.csm.to(device=self.device, dtype=dtype)
-        elif cfg.profile == "full":  # CSM-1B's architecture with random weights (benchmarks, no download)
+            return CSM(tiny_arch(len(self.tokenizer))).init_random(cfg.seed).to(device=self.device, dtype=dtype)
+        if cfg.profile == "full":  # CSM-1B's architecture with random weights (benchmarks, no download)
             from transformers import CsmConfig
 
             from pipeline.tokenizer import tiny_tokenizer
@@ -183,33 +187,31 @@ class TTSEngine:
 
             self.tokenizer = tiny_tokenizer()
             with torch.device(self.device):
-                self.csm = CSM(arch_from_hf_config(CsmConfig())).init_random(cfg.seed)
-            self.csm = self.csm.to(dtype=dtype)
-        elif cfg.profile == "real":
+                csm = CSM(arch_from_hf_config(CsmConfig())).init_random(cfg.seed)
+            return csm.to(dtype=dtype)
+        if cfg.profile == "real":
             from pipeline.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.csm)
-            self.csm = load_csm(cfg.csm, device=cfg.device, dtype=dtype)
-        else:
-            raise ValueError(f"unknown TTS profile {cfg.profile!r}")
-        self.csm.eval().requires_grad_(False)
-        self.csm.setup_caches(cfg.max_seq_len)
-        self.mimi = load_mimi(cfg.profile, cfg.mimi, device=cfg.device, seed=cfg.seed)
-        self.mimi.requires_grad_(False)
-        self.num_codebooks = self.csm.arch.num_codebooks
-        self.csm.n_valid = min(self.csm.arch.audio_vocab, self.mimi.cardinality)
-        self.prompts = PromptBuilder(self.tokenizer, self.num_codebooks)
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        self._lock = threading.Lock()
-        self._current: TTSStream | None = None
-        self._active = 0
-        self.prefill_buckets = self._prefill_buckets()
-        self.encode_buckets = tuple(sorted({int(b) for b in cfg.encode_buckets}))
-        if not self.encode_buckets or self.encode_buckets[0] < 1:
-            raise ValueError(f"encode_buckets must be positive frame counts, got {cfg.encode_buckets!r}")
-        self._set_process_flags()
-        self._build_static_fns()
-        self.warm = False
+            return load_csm(cfg.csm, device=cfg.device, dtype=dtype)
+        raise ValueError(f"unknown TTS profile {cfg.profile!r}")
+
+    def _init_rows(self) -> None:
+        """Per-slot generation state on the device ([num_slots, ...]) and the slot table on the host."""
+        S, K, dev = self.num_slots, self.num_codebooks, self.device
+        self.row_h = torch.zeros(S, self.csm.arch.backbone.dim, dtype=getattr(torch, self.cfg.dtype), device=dev)
+        self.row_first = torch.zeros(S, dtype=torch.bool, device=dev)  # next frame is the utterance's first
+        self.row_codes = torch.zeros(S, K, dtype=torch.long, device=dev)  # the previous frame
+        self.row_pos = torch.zeros(S, dtype=torch.long, device=dev)  # where the previous frame goes
+        self.row_active = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.row_seed = torch.zeros(S, dtype=torch.long, device=dev)
+        self.row_frame = torch.zeros(S, dtype=torch.long, device=dev)  # frames generated: the noise counter
+        self.row_temp = torch.zeros(S, dtype=torch.float32, device=dev)
+        self._decode_in = torch.zeros(S, K, 1, dtype=torch.long, device=dev)
+        self._audible = torch.zeros(S, dtype=torch.bool, device=dev)
+        self._rows: list[TTSStream | None] = [None] * S
+        self._waiting: deque[TTSStream] = deque()
+        self._next_seed = self.cfg.seed
 
     # -- static shapes ----------------------------------------------------------------------------
     def _prefill_buckets(self) -> tuple[int, ...]:
@@ -224,6 +226,22 @@ class TTSEngine:
         found.add(top)  # any prompt fits the KV cache, so it fits the largest bucket
         return tuple(sorted(found))
 
+    def _batch_widths(self) -> tuple[int, ...]:
+        S = self.num_slots
+        if self.cfg.batch_widths:
+            found = {min(int(w), S) for w in self.cfg.batch_widths if int(w) > 0}
+        else:
+            found, w = set(), 1
+            while w < S:
+                found.add(w)
+                w *= 2
+        found.add(S)  # every busy row fits the full width
+        return tuple(sorted(found))
+
+    def width_for(self, rows: int) -> int:
+        """The batch width of a step whose highest busy row is ``rows - 1``."""
+        return next(w for w in self.batch_widths if rows <= w)
+
     def _set_process_flags(self) -> None:
         """cuDNN autotuning off (unless configured): a new conv input length would start an
         algorithm search of seconds, cached per thread (docs/stall.md)."""
@@ -231,15 +249,15 @@ class TTSEngine:
             torch.backends.cudnn.benchmark = bool(self.cfg.cudnn_benchmark)
 
     def _build_static_fns(self) -> None:
-        cfg, csm = self.cfg, self.csm
+        cfg = self.cfg
         mode = cfg.compile_mode
         if mode is None and self.device.type == "cuda":
             mode = "reduce-overhead"  # CUDA graphs: static inputs are the step buffers and caches
         before = None
         if cfg.compile and mode == "reduce-overhead":
             before = torch.compiler.cudagraph_mark_step_begin
-        if cfg.compile:  # one cache entry per bucket: make sure dynamo keeps them all
-            need = max(len(self.prefill_buckets), len(self.encode_buckets)) + 2
+        if cfg.compile:  # one cache entry per bucket / width: make sure dynamo keeps them all
+            need = max(len(self.prefill_buckets), len(self.encode_buckets), len(self.batch_widths)) + 2
             for name in ("recompile_limit", "cache_size_limit"):
                 if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < need:
                     setattr(torch._dynamo.config, name, need)
@@ -256,15 +274,16 @@ class TTSEngine:
             return StaticFn(name, f, compiled(f, fullgraph) if compile_it else None, cfg.slow_step_ms, before)
 
         self.fns: dict[str, StaticFn] = {
-            "first_frame": fn("first_frame", csm.first_frame_fn),
-            "next_frame": fn("next_frame", csm.next_frame_fn),
-            "prefill": fn("prefill", csm.prefill_at),
+            "frame": fn("frame", self._frame_fn),
+            "prefill": fn("prefill", self.csm.prefill_at),
             "encode": fn("encode", self._mimi_encode, fullgraph=False),
             # Mimi's streaming state holds Python ints (offsets): eager, in fixed-size pieces
             "encode_piece": fn("encode_piece", self._mimi_encode_piece, compile_it=False),
-            "decode": fn("decode", self._decode_chunk, compile_it=False),
+            "decode": fn("decode", self.decoder.decode, compile_it=False),
         }
-        csm.set_step_fns(self.fns["first_frame"], self.fns["next_frame"])
+
+    def _frame_fn(self, h0, first, prev_codes, pos, noise, temperature) -> torch.Tensor:
+        return self.csm.frame_fn(h0, first, prev_codes, pos, noise, temperature, self.cfg.top_k)
 
     def stats(self) -> dict[str, int]:
         """Calls of the gated functions whose shapes warm-up did not cover, and slow calls."""
@@ -278,8 +297,9 @@ class TTSEngine:
         raise ValueError(f"prompt of {rows} rows beyond the KV cache ({self.cfg.max_seq_len})")
 
     @torch.inference_mode()
-    def prefill(self, tokens: np.ndarray, mask: np.ndarray) -> torch.Tensor:
-        """Prompt rows ([L, 33]) padded at the end to their bucket -> last hidden state [1, D]."""
+    def prefill(self, tokens: np.ndarray, mask: np.ndarray, row: int = 0) -> torch.Tensor:
+        """Prompt rows ([L, 33]) padded at the end to their bucket, into cache row ``row`` -> the last
+        real row's hidden state [1, D]."""
         rows = len(tokens)
         b = self.bucket_for(rows)
         tok = np.zeros((b, tokens.shape[1]), dtype=np.int64)
@@ -287,13 +307,18 @@ class TTSEngine:
         tok[:rows], msk[:rows] = tokens, mask
         dev = self.device
         last = torch.tensor([rows - 1], dtype=torch.long, device=dev)
-        h = self.fns["prefill"](torch.from_numpy(tok).to(dev)[None], torch.from_numpy(msk).to(dev)[None], last)
+        slot = torch.tensor([row], dtype=torch.long, device=dev)
+        h = self.fns["prefill"](torch.from_numpy(tok).to(dev)[None], torch.from_numpy(msk).to(dev)[None], last, slot)
         return h.clone() if self.device.type == "cuda" else h  # CUDA-graph outputs are reused
 
+    # -- streams ----------------------------------------------------------------------------------
     @property
     def active_requests(self) -> int:
-        """Streams opened and not yet finished or closed."""
-        return self._active
+        """Streams opened and not yet finished or closed (with a slot, or waiting for one)."""
+        return sum(s is not None for s in self._rows) + len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._rows)
 
     def max_frames_for(self, text: str) -> int:
         """Frame budget of an utterance: ``frames_per_word`` per word (at least ``min_frames``), at
@@ -313,25 +338,109 @@ class TTSEngine:
         return self.prompts.build(speaker, text, context, budget)
 
     def stream(self, text: str, context: list[Segment] | None = None, speaker: int | None = None,
-               max_frames: int | None = None) -> TTSStream:
-        """Open a stream for ``text`` (work starts at the first ``next()``). Closes any open stream."""
+               max_frames: int | None = None, seed: int | None = None,
+               temperature: float | None = None) -> TTSStream:
+        """Queue a stream for ``text``; it takes a slot at a later :meth:`step`. ``seed`` fixes its
+        sampling (default: the engine's next seed); raises :class:`TTSBusyError` if too many wait."""
+        if len(self._waiting) >= self.cfg.max_waiting:
+            raise TTSBusyError(f"all {self.num_slots} TTS slots are busy and {len(self._waiting)} streams wait")
         max_frames = self.max_frames_for(text) if max_frames is None else min(max_frames, self.cfg.max_frames)
         tokens, mask = self.build_prompt(text, context, speaker, max_frames)
-        with self._lock:
-            previous = self._current
-        if previous is not None:
-            previous.close()
-        s = TTSStream(self, tokens, mask, max_frames)
-        with self._lock:
-            self._current = s
-            self._active += 1
+        if seed is None:
+            seed, self._next_seed = self._next_seed, self._next_seed + 1
+        temperature = self.cfg.temperature if temperature is None else float(temperature)
+        s = TTSStream(self, tokens, mask, max_frames, int(seed), temperature)
+        self._waiting.append(s)
         return s
 
+    def cancel(self, s: TTSStream) -> None:
+        """End ``s`` now: it leaves the waiting line or frees its slot before the next step."""
+        if s.closed:
+            return
+        s.closed = s.finished = True
+        if s.row is not None:
+            self._release(s)
+        else:
+            try:
+                self._waiting.remove(s)
+            except ValueError:
+                pass
+
+    # -- the batched step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[TTSStream]:
+        """Let one waiting stream take a free slot (its prefill), then generate one frame for every
+        stream with a slot. Returns the streams that advanced (they may have new chunks, or ended)."""
+        self._admit()
+        live = [(r, s) for r, s in enumerate(self._rows) if s is not None]
+        if not live:
+            return []
+        width = self.width_for(live[-1][0] + 1)
+        codes = self._generate(width)
+        pcm = self._decode(codes, width)
+        host_codes, host_pcm = codes.cpu().numpy(), to_int16(pcm)  # the host's one read per step
+        for r, s in live:
+            if not host_codes[r].any():  # CSM's end of speech: an all-zero frame
+                self._finish(s)
+                continue
+            s._add_frame(host_codes[r].copy(), host_pcm[r])
+            if s.generated >= s.max_frames:
+                self._finish(s)
+        return [s for _, s in live]
+
+    def _admit(self) -> None:
+        if not self._waiting or all(s is not None for s in self._rows):
+            return
+        s = self._waiting.popleft()
+        r = self._rows.index(None)  # the lowest free row keeps the busy rows (and widths) low
+        t0 = time.perf_counter()
+        h = self.prefill(s.prompt_tokens, s.prompt_mask, r)
+        self.row_h[r] = h[0]
+        self.row_first[r] = True
+        self.row_pos[r] = len(s.prompt_tokens)
+        self.row_frame[r] = 0
+        self.row_seed[r] = s.seed
+        self.row_temp[r] = s.temperature
+        self.row_active[r] = True
+        reset = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+        reset[r] = True
+        self.decoder.reset(reset)
+        self._rows[r], s.row = s, r
+        s.timings["prefill_s"] = time.perf_counter() - t0
+
+    def _generate(self, width: int) -> torch.Tensor:
+        """One frame for cache rows 0..width-1 -> codes [width, K]; advances the busy rows' state.
+        Noise is drawn for every row (greedy rows ignore it): one graph per width."""
+        width_k = race_width(self.cfg.top_k, self.csm.n_valid)
+        noise = race_noise(self.row_seed[:width], self.row_frame[:width], self.num_codebooks, width_k)
+        codes = self.fns["frame"](self.row_h[:width], self.row_first[:width], self.row_codes[:width],
+                                  self.row_pos[:width], noise, self.row_temp[:width])
+        active = self.row_active[:width]
+        self.row_pos[:width] += (active & ~self.row_first[:width]).long()
+        self.row_first[:width] &= ~active
+        self.row_frame[:width] += active.long()
+        self.row_codes[:width] = codes
+        return codes
+
+    def _decode(self, codes: torch.Tensor, width: int) -> torch.Tensor:
+        """Mimi decode of this step's frame for every slot -> [num_slots, 1920]; only busy rows with a
+        speech frame advance their decoder state (exec mask)."""
+        self._decode_in[:width, :, 0] = codes
+        self._audible.copy_(self.row_active)
+        self._audible[:width] &= codes.any(dim=-1)
+        return self.fns["decode"](self._decode_in, self._audible)
+
+    def _finish(self, s: TTSStream) -> None:
+        s._publish()
+        s.finished = True
+        self._release(s)
+
     def _release(self, s: TTSStream) -> None:
-        with self._lock:
-            self._active -= 1
-            if self._current is s:
-                self._current = None
+        r = s.row
+        if r is None:
+            return
+        self.row_active[r] = False
+        self._rows[r], s.row = None, None
 
     # -- Mimi encode of user audio: fixed bucket lengths ---------------------------------------------
     def _mimi_encode(self, wav: torch.Tensor) -> torch.Tensor:
@@ -344,9 +453,6 @@ class TTSEngine:
         if mimi.encoder_transformer is not None:
             (emb,) = mimi.encoder_transformer(emb)
         return mimi.quantizer.encode(mimi._to_framerate(emb))
-
-    def _decode_chunk(self, decoder: StreamingDecoder, codes: torch.Tensor) -> torch.Tensor:
-        return decoder.decode(codes)
 
     @torch.inference_mode()
     def encode_wave(self, wav: np.ndarray) -> np.ndarray:
@@ -397,33 +503,25 @@ class TTSEngine:
     # -- warm-up ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def _run_every_shape(self) -> None:
-        cfg, dev, k = self.cfg, self.device, self.num_codebooks
+        cfg, k = self.cfg, self.num_codebooks
         for b in self.encode_buckets:  # each encode bucket, then the streaming path (2 pieces)
             self.encode_wave(np.zeros(b * FRAME_SIZE, dtype=np.float32))
         self.encode_wave(np.zeros(self.encode_buckets[-1] * FRAME_SIZE + 1, dtype=np.float32))
         self.encode_user_audio(np.zeros(USER_RATE // 10, dtype=np.int16))  # and the user path (resample)
-        width = k + 1
-        codes = None
-        for b in self.prefill_buckets:  # each prefill bucket, the first and the later frame steps
-            tokens = np.zeros((b, width), dtype=np.int64)
-            mask = np.zeros((b, width), dtype=bool)
+        for b in self.prefill_buckets:  # each prefill bucket (into the last row: it is free now)
+            tokens = np.zeros((b, k + 1), dtype=np.int64)
+            mask = np.zeros((b, k + 1), dtype=bool)
             mask[:, k] = True
-            h = self.prefill(tokens, mask)
-            codes, h = self.csm.frame_step(h, None, 0, cfg.temperature, cfg.top_k, self.generator)
-            codes, h = self.csm.frame_step(h, codes, min(b, cfg.max_seq_len - 1), cfg.temperature, cfg.top_k,
-                                           self.generator)
-        sizes = sorted({cfg.first_chunk_frames, *range(1, cfg.chunk_frames + 1)})
-        dec = StreamingDecoder(self.mimi)  # every chunk size of the streaming decode
-        try:
-            frame = torch.zeros(1, k, 1, dtype=torch.long, device=dev) if codes is None else codes.T[None]
-            for n in sizes:
-                self.fns["decode"](dec, frame.expand(1, k, n).contiguous())
-        finally:
-            dec.close()
-        s = self.stream("Hello there.", max_frames=cfg.first_chunk_frames + cfg.chunk_frames)
-        for _ in s:  # and the whole path once, as a request runs it
-            pass
-        s.close()
+            self.prefill(tokens, mask, self.num_slots - 1)
+        for width in self.batch_widths:  # the frame step at every width
+            self._generate(width)
+        self._decode(self.row_codes[: self.batch_widths[-1]], self.batch_widths[-1])
+        self.decoder.reset(torch.ones(self.num_slots, dtype=torch.bool, device=self.device))
+        streams = [self.stream("Hello there.", max_frames=cfg.first_chunk_frames + cfg.chunk_frames)
+                   for _ in range(min(2, self.num_slots))]
+        for s in streams:  # and the whole path once, as requests run it (two streams joining)
+            for _ in s:
+                pass
 
     def warmup(self) -> None:
         """Run every shape of the serving path on THIS thread (call it on the serving thread: some
@@ -432,11 +530,12 @@ class TTSEngine:
         Then the gates are sealed and torch's compiler stance set to ``cfg.stance_after_warmup``."""
         passes = (True, False) if self.cfg.compile else (True,)
         t0 = time.perf_counter()
-        try:
-            for eager in passes:
-                for f in self.fns.values():
-                    f.force_eager = eager
-                self._run_every_shape()
+        try:  # under torch's default stance: one left by another engine of this process could skip compiles
+            with torch.compiler.set_stance("default"):
+                for eager in passes:
+                    for f in self.fns.values():
+                        f.force_eager = eager
+                    self._run_every_shape()
         finally:
             for f in self.fns.values():
                 f.force_eager = False
@@ -445,5 +544,6 @@ class TTSEngine:
         self.warm = True
         if self.cfg.compile and self.cfg.stance_after_warmup != "default":
             torch.compiler.set_stance(self.cfg.stance_after_warmup)
-        log.info("TTS warm in %.1f s: prefill buckets %s, encode buckets %s frames, compile=%s",
-                 time.perf_counter() - t0, self.prefill_buckets, self.encode_buckets, self.cfg.compile)
+        log.info("TTS warm in %.1f s: %d slots, batch widths %s, prefill buckets %s, encode buckets %s frames, "
+                 "compile=%s", time.perf_counter() - t0, self.num_slots, self.batch_widths, self.prefill_buckets,
+                 self.encode_buckets, self.cfg.compile)

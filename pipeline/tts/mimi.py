@@ -101,30 +101,46 @@ def _streaming_modules(*roots) -> list:
     return found
 
 
-class StreamingDecoder:
-    """Frame-by-frame Mimi decode. Holds the decoder's streaming state until :meth:`close`.
+class SlotDecoder:
+    """Streaming Mimi decode of ``rows`` independent streams, one 80 ms frame per row per call.
 
-    Only the decode path (upsample, decoder transformer, SEANet decoder) enters streaming mode,
-    so ``mimi.encode`` of user audio stays usable (stateless) while a decode stream is open.
-    One ``StreamingDecoder`` at a time per Mimi instance: the state lives in the modules.
+    The decode path (upsample, decoder transformer, SEANet decoder) enters moshi's streaming mode
+    with batch ``rows`` once, for the decoder's lifetime. Each call decodes a frame for every row;
+    ``exec_mask`` (moshi's ``set_exec_mask``) says which rows really advance: the others' streaming
+    state (convolution history, transformer cache and offsets) is left exactly as it was.
+    :meth:`reset` (moshi's ``reset_streaming(reset_mask)``) clears the rows a new stream takes.
+    The encode path stays stateless, so ``mimi.encode`` of user audio works meanwhile.
+    One ``SlotDecoder`` per Mimi instance: the state lives in the modules.
     """
 
-    def __init__(self, mimi):
-        self.mimi = mimi
+    def __init__(self, mimi, rows: int):
+        self.mimi, self.rows = mimi, rows
+        self.device = next(mimi.parameters()).device
+        self.modules = decode_streaming_modules(mimi)
         self._stack: ExitStack | None = ExitStack()
         try:
-            for m in decode_streaming_modules(mimi):
-                self._stack.enter_context(m.streaming(1))
+            for m in self.modules:
+                self._stack.enter_context(m.streaming(rows))
         except Exception:
             self.close()
             raise
 
     @torch.inference_mode()
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """[1, 32, n] codes on Mimi's device -> [n * 1920] float audio on the same device."""
+    def reset(self, rows: torch.Tensor) -> None:
+        """Fresh streaming state for the rows where ``rows`` ([R] bool) is True."""
+        for m in self.modules:
+            m.reset_streaming(rows)
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor, exec_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, 32, n] codes -> [rows, n * 1920] float audio; rows off in ``exec_mask`` ([rows] bool
+        on the device) keep their state (their output is meaningless)."""
         if self._stack is None:
             raise RuntimeError("decoder stream is closed")
-        return self.mimi.decode(codes)[0, 0]
+        if exec_mask is not None:
+            for m in self.modules:
+                m.set_exec_mask(exec_mask)
+        return self.mimi.decode(codes)[:, 0]
 
     def close(self) -> None:
         if self._stack is not None:
