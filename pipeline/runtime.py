@@ -97,7 +97,7 @@ class InferenceThread:
         If the consumer stops early or is cancelled, the iterator is closed on this thread,
         which releases its state in the engine (KV cache, streaming buffers).
         """
-        it = await self.run(make, *args)
+        it = await self.open(make, *args)
         try:
             while True:
                 item = await self.run(next, it, _DONE)
@@ -106,6 +106,21 @@ class InferenceThread:
                 yield item
         finally:
             self.submit(getattr(it, "close", lambda: None))
+
+    async def open(self, make: Callable[..., T], *args: Any) -> T:
+        """``make(*args)`` on this thread, for something with a ``close()`` (a stream). If the caller
+        is cancelled while ``make`` runs, what it then returns has no owner: it is closed on this
+        thread as soon as it exists."""
+        future = self._executor.submit(make, *args)
+        try:
+            return await asyncio.wrap_future(future, loop=asyncio.get_running_loop())
+        except asyncio.CancelledError:
+            future.add_done_callback(self._close_orphan)
+            raise
+
+    def _close_orphan(self, future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.submit(getattr(future.result(), "close", lambda: None))
 
     def on_thread(self) -> bool:
         return threading.get_ident() == self.ident

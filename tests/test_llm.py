@@ -2,6 +2,8 @@
 and the OpenAI-compatible backend against a local fake SSE server."""
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import threading
 import time
@@ -11,7 +13,9 @@ import pytest
 import torch
 
 from pipeline.llm import LLMConfig, build_prompt, make_llm
-from pipeline.llm.engine import LLMEngine, sample_next
+from pipeline.llm.engine import LLMEngine, LLMStream, sample_next
+from pipeline.runtime import InferenceThread
+from pipeline.services import LLMService
 
 torch.set_num_threads(1)
 
@@ -30,6 +34,14 @@ def engine() -> LLMEngine:
     eng.warmup()
     assert eng.active_requests == 0
     return eng
+
+
+@pytest.fixture
+def llm_thread():
+    """An inference thread for a service under test."""
+    thread = InferenceThread("llm-test")
+    yield thread
+    thread.shutdown()
 
 
 def _reference(engine: LLMEngine, messages, max_new_tokens: int) -> list[int]:
@@ -188,6 +200,86 @@ def test_close_midway_frees_stream(engine: LLMEngine):
     assert "".join(engine.stream(HELLO)) == full
 
 
+class _GatedEngine:
+    """The tiny engine, its ``stream()`` held at ``gate`` (to cancel a caller while it runs)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    @property
+    def active_requests(self) -> int:
+        return self.engine.active_requests
+
+    def stream(self, messages):
+        self.entered.set()
+        assert self.gate.wait(10)
+        return self.engine.stream(messages)
+
+
+def test_service_closes_abandoned_streams_on_inference_thread(engine: LLMEngine, llm_thread, monkeypatch):
+    """A service stream that is abandoned (the consumer stops, is cancelled mid-stream, or is
+    cancelled while the engine is still making the stream) closes the engine stream on the
+    inference thread, and nothing stays active. No ``__del__`` to fall back on. Checked inside
+    the event loop: ``asyncio.run``'s shutdown would close leftover generators itself."""
+    closed_on: list[int] = []
+    closed = threading.Event()
+    close = LLMStream.close
+
+    def recording_close(self):
+        close(self)
+        closed_on.append(threading.get_ident())
+        closed.set()
+
+    def assert_closed_on_inference_thread(how: str) -> None:
+        assert closed_on == [llm_thread.ident], how
+        assert engine.active_requests == 0, how
+        closed_on.clear()
+
+    monkeypatch.setattr(LLMStream, "close", recording_close)
+    svc = LLMService(engine, llm_thread)
+
+    async def stop_after_two():
+        stream = svc.stream(HELLO)
+        for _ in range(2):
+            await anext(stream)
+        await stream.aclose()
+        # A barrier queued after the close, waited for without turning the event loop: the close
+        # must have been queued by aclose() itself, not by a later garbage-collection hook.
+        llm_thread.call(lambda: None)
+        assert_closed_on_inference_thread("consumer stopped")
+
+    async def cancel_midway():
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in svc.stream(BOOK):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        llm_thread.call(lambda: None)
+        assert_closed_on_inference_thread("cancelled mid-stream")
+
+    async def cancel_while_making():
+        gated = _GatedEngine(engine)
+        task = asyncio.create_task(_collect(LLMService(gated, llm_thread).stream(HELLO)))
+        assert await asyncio.to_thread(gated.entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        closed.clear()
+        gated.gate.set()  # the stream is made now, with no one left to consume it
+        assert await asyncio.to_thread(closed.wait, 10)
+        assert_closed_on_inference_thread("cancelled while the stream was being made")
+
+    for abandon in (stop_after_two, cancel_midway, cancel_while_making):
+        asyncio.run(abandon())
+
+
 def test_slow_token_delay_hook():
     eng = make_llm(LLMConfig.tiny(max_new_tokens=4, token_delay_s=0.05))
     t0 = time.perf_counter()
@@ -277,9 +369,14 @@ def test_openai_api_key_from_env(monkeypatch):
 
 
 class _FakeServer:
-    """An OpenAI-style streaming chat endpoint on 127.0.0.1 (SSE over HTTP/1.0, close-delimited)."""
+    """An OpenAI-style streaming chat endpoint on 127.0.0.1 (SSE over HTTP/1.0, close-delimited).
 
-    def __init__(self, pieces: list[str], delay_s: float = 0.0):
+    ``hold_first``: the first request gets its headers and a keep-alive comment, then waits for
+    ``release`` before its first token (``holding`` is set while it waits). ``error_after``: an
+    error event after that many pieces, instead of the rest."""
+
+    def __init__(self, pieces: list[str], delay_s: float = 0.0, *, hold_first: bool = False,
+                 error_after: int | None = None):
         self.pieces = pieces
         self.delay_s = delay_s
         self.requests: list[dict] = []
@@ -287,6 +384,8 @@ class _FakeServer:
         self.sent = 0
         self.disconnected = threading.Event()
         self.finished = threading.Event()
+        self.holding, self.release = threading.Event(), threading.Event()
+        arrivals = itertools.count()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -305,7 +404,13 @@ class _FakeServer:
                 self.end_headers()
                 try:
                     self.wfile.write(b": keep-alive\n\n")
+                    if hold_first and next(arrivals) == 0:
+                        fake.holding.set()
+                        fake.release.wait(30)
                     for i, piece in enumerate(fake.pieces):
+                        if i == error_after:
+                            self.wfile.write(b'data: {"error": {"message": "overloaded"}}\n\n')
+                            return
                         chunk = {
                             "id": "x",
                             "object": "chat.completion.chunk",
@@ -317,7 +422,7 @@ class _FakeServer:
                         self.wfile.flush()
                         fake.sent += 1
                         if fake.delay_s:
-                            time.sleep(fake.delay_s)
+                            time.sleep(fake.delay_s)  # the upstream's token pace, not synchronisation
                     end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
                     self.wfile.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
                     self.wfile.flush()
@@ -335,8 +440,13 @@ class _FakeServer:
         return self
 
     def __exit__(self, *exc):
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+async def _collect(deltas) -> list[str]:
+    return [d async for d in deltas]
 
 
 def test_openai_backend_streams_deltas_in_order():
@@ -345,43 +455,69 @@ def test_openai_backend_streams_deltas_in_order():
         eng = make_llm(LLMConfig(backend="openai", openai_url=fake.url, openai_model="m",
                                  openai_api_key="k", system_prompt="be brief", max_new_tokens=9))
         eng.warmup()
-        s = eng.stream(BOOK)
-        assert eng.active_requests == 1
-        deltas = list(s)
+
+        async def go():
+            stream = eng.astream(BOOK)
+            deltas = [await anext(stream)]
+            active = eng.active_requests
+            return deltas + await _collect(stream), active
+
+        deltas, active_while_streaming = asyncio.run(go())
         assert deltas == pieces
-        assert s.finish_reason == "stop"
-        assert eng.active_requests == 0
+        assert active_while_streaming == 1 and eng.active_requests == 0
         req = fake.requests[0]
         assert req["stream"] is True and req["model"] == "m" and req["max_tokens"] == 9
+        assert req["temperature"] == 0.7 and req["top_p"] == 0.9 and req["top_k"] == 50 and "seed" not in req
         assert req["messages"][0] == {"role": "system", "content": "be brief"}
         assert req["messages"][1:] == BOOK
         assert fake.headers[0]["Authorization"] == "Bearer k"
+    overridden = eng.request_body(HELLO, max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0, seed=5)
+    assert overridden["max_tokens"] == 3 and overridden["temperature"] == 0.0 and overridden["seed"] == 5
+    assert "top_k" not in overridden and "top_p" not in overridden
+    openai = make_llm(LLMConfig(backend="openai", openai_url="https://api.openai.com/v1"))
+    assert "top_k" not in openai.request_body(HELLO)  # OpenAI's API rejects the extension
 
 
 def test_openai_backend_close_early():
     pieces = [f"w{i} " for i in range(200)]
     with _FakeServer(pieces, delay_s=0.01) as fake:
         eng = make_llm(LLMConfig(backend="openai", openai_url=fake.url, openai_api_key=None))
-        s = eng.stream(HELLO)
-        assert [next(s), next(s), next(s)] == pieces[:3]
-        s.close()
+
+        async def close_after_three():
+            stream = eng.astream(HELLO)
+            got = [await anext(stream) for _ in range(3)]
+            await stream.aclose()
+            return got
+
+        assert asyncio.run(close_after_three()) == pieces[:3]
         assert eng.active_requests == 0
-        assert s.finish_reason == "cancelled"
-        with pytest.raises(StopIteration):
-            next(s)
         # the server notices the dropped connection long before it would have finished
         assert fake.disconnected.wait(5.0)
         assert not fake.finished.is_set()
         assert fake.sent < 100
         assert "Authorization" not in fake.headers[0]
 
-        # a close from another thread while next() blocks on the socket ends the stream too
-        s2 = eng.stream(HELLO)
-        next(s2)
-        threading.Timer(0.05, s2.close).start()
-        rest = list(s2)
-        assert len(rest) < 100
+        # cancelling the task that awaits the next delta drops the connection too
+        fake.disconnected.clear()
+
+        async def cancel_while_reading():
+            first = asyncio.Event()
+
+            async def consume():
+                async for _ in eng.astream(HELLO):
+                    first.set()
+
+            task = asyncio.create_task(consume())
+            await first.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        sent_before = fake.sent
+        asyncio.run(cancel_while_reading())
         assert eng.active_requests == 0
+        assert fake.disconnected.wait(5.0)
+        assert fake.sent - sent_before < 100
 
 
 def test_openai_backend_http_error():
@@ -389,7 +525,49 @@ def test_openai_backend_http_error():
 
     with _FakeServer(["x"]) as fake:
         eng = make_llm(LLMConfig(backend="openai", openai_url=fake.url.replace("/v1", "/nope")))
-        s = eng.stream(HELLO)
         with pytest.raises(OpenAIStreamError, match="HTTP 404"):
-            next(s)
+            asyncio.run(_collect(eng.astream(HELLO)))
         assert eng.active_requests == 0
+
+
+def test_openai_backend_error_event():
+    from pipeline.llm.openai_backend import OpenAIStreamError
+
+    with _FakeServer(["a", "b", "c"], error_after=2) as fake:
+        eng = make_llm(LLMConfig(backend="openai", openai_url=fake.url))
+        got: list[str] = []
+
+        async def go():
+            async for delta in eng.astream(HELLO):
+                got.append(delta)
+
+        with pytest.raises(OpenAIStreamError, match="server error.*overloaded"):
+            asyncio.run(go())
+        assert got == ["a", "b"]
+        assert eng.active_requests == 0
+
+
+def test_slow_upstream_does_not_hold_up_other_streams(llm_thread):
+    """The upstream holds one request before its first token: another stream of the same service
+    still runs to its end meanwhile (a blocking read on the one inference thread would queue it
+    behind the held one); released, the held stream completes too."""
+    pieces = ["Sure", ", one", " moment."]
+    with _FakeServer(pieces, hold_first=True) as fake:
+        eng = make_llm(LLMConfig(backend="openai", openai_url=fake.url))
+        svc = LLMService(eng, llm_thread)
+
+        async def go():
+            held = asyncio.create_task(_collect(svc.stream(HELLO)))
+            try:
+                assert await asyncio.to_thread(fake.holding.wait, 10)
+                other = await asyncio.wait_for(_collect(svc.stream(BOOK)), 10)
+                still_held = not held.done() and eng.active_requests == 1
+            finally:
+                fake.release.set()
+            return other, still_held, await asyncio.wait_for(held, 10)
+
+        other, still_held, first = asyncio.run(go())
+        assert other == pieces and still_held
+        assert first == pieces
+        assert eng.active_requests == 0
+        assert [r["messages"][-1] for r in fake.requests] == [HELLO[-1], BOOK[-1]]

@@ -295,11 +295,10 @@ def test_real_profile_loads_a_nemo_file(tiny, tmp_path):
 def test_compiled_encoder_no_recompiles(tiny):
     from torch._dynamo.utils import counters
 
-    engine = _engine(tiny, num_slots=2, compile=True)
-    engine.warmup()
-    graphs = counters["stats"]["unique_graphs"]
-    torch.compiler.set_stance("fail_on_recompile")
+    engine = _engine(tiny, num_slots=2, compile=True, stance_after_warmup="fail_on_recompile")
     try:
+        engine.warmup()
+        graphs = counters["stats"]["unique_graphs"]
         audios = {"c0": speech_like_audio(2.9, seed=1), "c1": speech_like_audio(1.3, seed=2)}
         got, _ = _feed_randomly(engine, audios, np.random.default_rng(3), end_ids={"c1"}, piece=(8000, 20000))
     finally:
@@ -307,6 +306,53 @@ def test_compiled_encoder_no_recompiles(tiny):
     assert counters["stats"]["unique_graphs"] == graphs
     for sid, pcm in audios.items():
         assert got[sid] == offline_tokens(tiny[1], pcm)
+
+
+def test_compile_covers_every_batch_width(tiny):
+    """More slots (10) than dynamo's default recompile limit (8): warm-up compiles one graph per
+    batch width, none left to run eagerly without a word, under the default stance whatever stance
+    the process had; then it sets the configured stance. Serving at every width (9 and 10 included;
+    first, later and last chunks) compiles nothing more, and a width warm-up had missed raises under
+    ``fail_on_recompile``. The "eager" backend traces and guards like inductor, without code
+    generation."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # compiled entries live on the code object, shared by every engine
+    engine = _engine(tiny, num_slots=10, compile=True, compile_backend="eager", stance_after_warmup="fail_on_recompile")
+    widths = []
+    advance = engine._advance
+    engine._advance = lambda streams, last: (widths.append(len(streams)), advance(streams, last))[1]
+    rng = np.random.default_rng(4)
+    before = counters["stats"]["unique_graphs"]
+    try:
+        torch.compiler.set_stance("eager_on_recompile")  # as another engine's warm-up in this process leaves it
+        engine.warmup()
+        warm = counters["stats"]["unique_graphs"]
+        assert warm - before == 10
+        widths.clear()
+        for n in (10, 9, 3):
+            audios = {f"{n}-{i}": speech_like_audio(1.2 + 0.3 * i, seed=50 + i) for i in range(n)}
+            got, _ = _feed_randomly(engine, audios, rng, end_ids=set(list(audios)[::2]), piece=(6000, 14000))
+            if n == 10:
+                for sid in list(audios)[:3]:
+                    assert got[sid] == offline_tokens(tiny[1], audios[sid]), sid
+        with pytest.raises(RuntimeError, match="fail_on_recompile"):
+            _encoder_layers_at_width(engine, 11)  # a width warm-up never ran
+    finally:
+        torch.compiler.set_stance("default")
+    assert {1, 9, 10} <= set(widths)
+    assert counters["stats"]["unique_graphs"] == warm
+
+
+@torch.inference_mode()
+def _encoder_layers_at_width(engine: STTEngine, width: int):
+    """One call of the engine's (compiled) encoder layers on ``width`` rows of its slot state."""
+    idx = torch.arange(width) % engine.num_slots
+    T = engine.out_len
+    pre = torch.zeros(width, T, engine.enc.d_model)
+    pre_len = torch.full((width,), T)
+    caches = [cache.index_select(1, idx) for cache in engine.caches]
+    return engine._layers(pre, pre_len, caches, engine.cache_len.index_select(0, idx), pos=engine.enc_step.positions(T))
 
 
 def test_unrolled_lstm_matches_library(tiny):

@@ -1,10 +1,12 @@
 """The LLM stage: streaming, cancellable text generation behind one interface.
 
-``make_llm(cfg)`` returns an engine with ``warmup()``, ``stream(messages) -> iterator of text
-deltas`` (``.close()`` cancels) and ``active_requests``:
+``make_llm(cfg)`` returns an engine with ``warmup()``, ``active_requests`` and either
+``stream(messages) -> iterator of text deltas`` (``.close()`` cancels; every call on the
+replica's inference thread) or, for engines that only wait on the network,
+``astream(messages) -> async iterator of text deltas`` (``aclose()`` cancels; on the event loop):
 
 * ``"transformers"``: :class:`pipeline.llm.engine.LLMEngine` (in-process, static KV cache);
-* ``"openai"``: :class:`pipeline.llm.openai_backend.OpenAIEngine` (any OpenAI-compatible server);
+* ``"openai"``: :class:`pipeline.llm.openai_backend.OpenAIEngine` (any OpenAI-compatible server; ``astream``);
 * ``"vllm"``: :class:`pipeline.llm.vllm_backend.VLLMEngine` (optional GPU extra; untested here).
 """
 from __future__ import annotations

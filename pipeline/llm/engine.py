@@ -15,6 +15,9 @@ Design
   and stateless.
 * ``LLMStream.close()`` cancels a stream and returns its cache to the pool;
   :attr:`LLMEngine.active_requests` counts streams that are neither finished nor closed.
+  Whoever abandons a stream must close it, on the inference thread (``InferenceThread.iterate``
+  does): there is no ``__del__``, which would free the cache on whatever thread the garbage
+  collector happens to run, racing the inference thread that may be using the pool.
 
 The concatenation of a stream's deltas equals ``tokenizer.decode(generated_ids,
 skip_special_tokens=True)``: every step decodes all generated ids and emits the new suffix,
@@ -470,13 +473,6 @@ class LLMStream(Iterator[str]):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self):  # a dropped, unclosed stream must not leak its slot
-        try:
-            if not self._done:
-                self._finish("cancelled")
-        except Exception:  # noqa: BLE001 - interpreter shutdown etc.
-            pass
 
     @property
     def text(self) -> str:

@@ -18,7 +18,11 @@ class STTConfig:
     endpoint_ms: Optional[int] = 800  # trailing blank run that ends an utterance; None disables
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations: "float32" | "bfloat16" (GPU); features stay float32
-    compile: bool = False  # torch.compile the encoder layers
+    compile: bool = False  # torch.compile the encoder layers (one graph per batch width, all made by warmup())
+    compile_backend: str = "inductor"  # "aot_eager"/"eager" trace and guard the same way, without codegen (tests)
+    # After warm-up (with compile): "eager_on_recompile" (serve: a shape warm-up missed runs eagerly,
+    # never compiles, never raises), "fail_on_recompile" (tests: raise), or "default" (leave torch's stance).
+    stance_after_warmup: str = "eager_on_recompile"
     blank_bias: Optional[float] = None  # added to the blank logit; None = calibrated (tiny) / 0 (real)
     unrolled_lstm: bool = True  # prediction-net step with torch.lstm_cell instead of nn.LSTM
     # greedy RNNT over a chunk: "label_loop" (an iteration per emitted label, the joint on all frames

@@ -191,8 +191,10 @@ class KVCacheLayersStep(NemoLayersStep):
         q_u = (q + attn.pos_bias_u).transpose(1, 2)  # [B, h, T, dk]
         q_v = (q + attn.pos_bias_v).permute(2, 0, 1, 3).reshape(h, B * T, dk)
         P = p.shape[-1]
-        raw = torch.bmm(q_v, p)  # [h, B*T, P]
-        bd = raw.as_strided((B, h, T, S), (T * P, B * T * P, P - 1, 1), raw.storage_offset() + T - 1)
+        raw = torch.bmm(q_v, p)  # [h, B*T, P], a new tensor: storage offset 0
+        # (a literal offset: raw.storage_offset() is an int torch.compile cannot trace, a graph break
+        # that made dynamo skip the whole layer loop)
+        bd = raw.as_strided((B, h, T, S), (T * P, B * T * P, P - 1, 1), T - 1)
         mask = bd * (1.0 / attn.s_d_k) + bias
         out = torch.nn.functional.scaled_dot_product_attention(
             q_u, k.view(B, S, h, dk).transpose(1, 2), v.view(B, S, h, dk).transpose(1, 2), attn_mask=mask

@@ -156,9 +156,19 @@ class STTEngine:
         self._streams: dict[str, _Stream] = {}
         self._free = list(range(S))
         self._idx_cache: dict[tuple, torch.Tensor] = {}
-        self._layers = self.enc_step.__call__
-        if cfg.compile:
-            self._layers = torch.compile(self.enc_step.__call__, dynamic=False)
+        self._layers = self._compile_layers() if cfg.compile else self.enc_step.__call__
+
+    def _compile_layers(self):
+        """The encoder layers under torch.compile, static shapes: one graph per batch width.
+
+        Dynamo keeps at most ``recompile_limit`` graphs per function (8 by default) and runs
+        every shape past that eagerly, silently; so the limit is raised to cover all widths
+        (a little margin for the odd guard-driven recompile)."""
+        need = self.num_slots + 2
+        for name in ("recompile_limit", "cache_size_limit"):
+            if getattr(torch._dynamo.config, name, need) < need:
+                setattr(torch._dynamo.config, name, need)
+        return torch.compile(self.enc_step.__call__, dynamic=False, backend=self.cfg.compile_backend)
 
     @classmethod
     def from_config(cls, cfg: STTConfig) -> "STTEngine":
@@ -272,10 +282,22 @@ class STTEngine:
         """Run every shape the engine steps with (each batch width; first/later/last chunks).
 
         Call before serving: with ``cfg.compile`` this compiles one graph per batch width, and
-        nothing compiles later. It uses (and then resets) all slots, so no stream may be open.
+        then sets torch's compiler stance to ``cfg.stance_after_warmup``, so that nothing compiles
+        later. It runs under the default stance whatever another engine of this process set (a
+        stance that stops recompiles would leave all widths but the first uncompiled). It uses
+        (and then resets) all slots, so no stream may be open.
         """
         if self._streams:
             raise RuntimeError("STTEngine.warmup() must run before any stream is opened")
+        if not self.cfg.compile:
+            self._run_every_width()
+            return
+        with torch.compiler.set_stance("default"):
+            self._run_every_width()
+        if self.cfg.stance_after_warmup != "default":
+            torch.compiler.set_stance(self.cfg.stance_after_warmup)
+
+    def _run_every_width(self) -> None:
         rng = np.random.default_rng(0)
         need = (self.n_first + self.n_next - 1) * self.hop + 2 * self.hop
         try:
