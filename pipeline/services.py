@@ -7,8 +7,9 @@ wires them in-process for tests and tools that run without Ray.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
-from collections import defaultdict
 from typing import AsyncIterator
 
 import numpy as np
@@ -16,6 +17,8 @@ import numpy as np
 from pipeline import metrics
 from pipeline.runtime import InferenceThread
 from pipeline.session import NoFreeSlot
+
+log = logging.getLogger(__name__)
 
 
 def load_stt(cfg):
@@ -44,50 +47,76 @@ def load_tts(cfg):
 
 
 class STTService:
-    """Many sessions' streams in one engine; every due chunk advances in one batched step."""
+    """Many sessions' streams in one engine; every due chunk advances in one batched step.
+
+    A stream is one spoken turn: ``open`` takes a slot, ``finish`` returns the turn's transcript
+    and gives the slot back in the same round trip, ``close`` gives it back without one."""
 
     def __init__(self, engine, thread: InferenceThread):
         self.engine, self.thread = engine, thread
-        self._outbox: dict[str, list[dict]] = defaultdict(list)
+        # Events waiting for their stream's next push; a key exists exactly while the stream is open,
+        # so a step that finishes after its stream closed leaves nothing behind.
+        self._outbox: dict[str, list[dict]] = {}
         self._step_lock = asyncio.Lock()
 
     async def open(self, sid: str) -> str | None:
-        """Take a slot for a session; returns None, or the reason it could not."""
+        """Take a slot for a spoken turn; returns None, or the reason it could not."""
         from pipeline.stt.engine import NoFreeSlotError
 
         try:
             await self.thread.run(self.engine.open, sid)
         except NoFreeSlotError as exc:
             return str(exc)
-        metrics.STT_ACTIVE_STREAMS.set(len(self.engine.active_streams))
+        self._outbox[sid] = []
+        self._export_active()
         return None
 
     async def push(self, sid: str, pcm: np.ndarray) -> list[dict]:
-        """Buffer int16 audio for a session, run the steps now due, return its events."""
+        """Buffer int16 audio for a stream, run the steps now due, return its events."""
         audio = np.ascontiguousarray(pcm, dtype=np.float32) / 32768.0
         await self.thread.run(self.engine.feed, sid, audio)
         await self._drain()
-        return self._outbox.pop(sid, [])
+        events = self._outbox.get(sid) or []
+        if events:
+            self._outbox[sid] = []
+        return events
 
     async def _drain(self) -> None:
-        # Whoever holds the lock steps for every stream; events wait in each session's outbox.
+        # Whoever holds the lock steps for every stream; events wait in each open stream's outbox.
         async with self._step_lock:
             while await self.thread.run(self.engine.pending):
                 t0 = time.perf_counter()
                 events = await self.thread.run(self.engine.step)
                 metrics.STT_STEP.observe(time.perf_counter() - t0)
                 for ev in events:
-                    self._outbox[ev.stream_id].append({"kind": ev.kind, "text": ev.text})
+                    outbox = self._outbox.get(ev.stream_id)
+                    if outbox is not None:  # closed while this step ran: nobody will collect them
+                        outbox.append({"kind": ev.kind, "text": ev.text})
 
     async def finish(self, sid: str) -> tuple[str, list[dict]]:
-        """The utterance's final text and its words with times (ms from the utterance start)."""
+        """The turn's final text and its words with times (ms from the turn's first recognised
+        audio); the slot is free again when this returns, even if decoding failed."""
         self._outbox.pop(sid, None)
-        text, _, words = await self.thread.run(self.engine.finish_result, sid)
+        try:
+            text, _, words = await self.thread.run(self._finish_and_close, sid)
+        finally:
+            self._export_active()
         return text, words
 
+    def _finish_and_close(self, sid: str) -> tuple[str, list[int], list[dict]]:
+        """On the inference thread: one hop for the last chunk and the slot's release."""
+        try:
+            return self.engine.finish_result(sid)
+        finally:
+            self.engine.close(sid)
+
     async def close(self, sid: str) -> None:
+        """Give the slot back without a transcript (session gone); closing twice is harmless."""
         self._outbox.pop(sid, None)
         await self.thread.run(self.engine.close, sid)
+        self._export_active()
+
+    def _export_active(self) -> None:
         metrics.STT_ACTIVE_STREAMS.set(len(self.engine.active_streams))
 
     def stats(self) -> dict:
@@ -95,32 +124,50 @@ class STTService:
 
 
 class LLMService:
+    """Streams of one LLM engine: a model engine (``stream``) steps on the inference thread, an
+    HTTP engine (``astream``) waits on the event loop, so a slow upstream holds up no other stream."""
+
     def __init__(self, engine, thread: InferenceThread):
         self.engine, self.thread = engine, thread
 
     async def stream(self, messages: list[dict]) -> AsyncIterator[str]:
-        """Text deltas of the reply to ``messages``; a cancelled stream frees its state."""
+        """Text deltas of the reply to ``messages``.
+
+        Closing or cancelling this generator closes the engine's stream at once (the model's on
+        the inference thread), not whenever the garbage collector finds it."""
         t0 = time.perf_counter()
         first = True
-        async for delta in self.thread.iterate(self.engine.stream, messages):
-            if first:
-                metrics.LLM_TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - t0)
-                first = False
-            yield delta
+        async with contextlib.aclosing(self._deltas(messages)) as deltas:
+            async for delta in deltas:
+                if first:
+                    metrics.LLM_TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - t0)
+                    first = False
+                yield delta
+
+    def _deltas(self, messages: list[dict]) -> AsyncIterator[str]:
+        if hasattr(self.engine, "astream"):
+            return self.engine.astream(messages)
+        return self.thread.iterate(self.engine.stream, messages)
 
     def stats(self) -> dict:
         return {"active_requests": self.engine.active_requests}
 
 
 class TTSService:
-    """Text in, int16 24 kHz chunks out, one stream at a time: Mimi's streaming state lives in
-    the module, so streams are serialized (a lock held for a stream's life); chunks are stepped
-    one at a time, so a cancelled stream stops within one chunk. Stateless across requests: the
-    conversation context comes with each request (the session owns it)."""
+    """Text in, int16 24 kHz chunks out, for many streams at once (continuous batching).
+
+    One stepping task drives the engine while any stream is open: each ``engine.step()`` (on the
+    inference thread) admits a waiting stream and advances every stream with a slot by one frame;
+    then the streams that advanced are woken. No lock is held across a clause or a pacing sleep;
+    a consumer that stops early cancels its stream, which frees its slot before the next step.
+    Stateless across requests: the conversation context comes with each request (the session
+    owns it)."""
 
     def __init__(self, engine, thread: InferenceThread):
         self.engine, self.thread = engine, thread
-        self._lock = asyncio.Lock()
+        self._wakeups: dict[object, asyncio.Event] = {}
+        self._stepper: asyncio.Task | None = None
+        self._failure: BaseException | None = None
         self._unseen = metrics.UNSEEN_SHAPES_AFTER_WARMUP.labels(deployment="tts")
         self._unseen.inc(0)
         self._unseen_seen = engine.stats()["unseen_shape_calls"]
@@ -132,31 +179,58 @@ class TTSService:
             self._unseen.inc(now - self._unseen_seen)
         self._unseen_seen = now
 
-    def _chunks_with_codes(self, text: str, context: list | None):
-        """Runs on the inference thread: (pcm chunk, codes of the frames that made it)."""
-        stream = self.engine.stream(text, context=context)
+    async def _run_steps(self) -> None:
+        """Step the engine while it has streams; wake each stream that advanced."""
         try:
-            done = 0
-            for pcm in stream:
-                codes = stream.codes
-                yield pcm, np.ascontiguousarray(codes[done:])
-                done = len(codes)
+            while self.engine.has_work():
+                advanced = await self.thread.run(self.engine.step)
+                for s in advanced:
+                    wake = self._wakeups.get(s)
+                    if wake is not None:
+                        wake.set()
+                self._count_unseen_shapes()
+        except Exception as exc:  # noqa: BLE001 - every open stream learns of it
+            log.exception("TTS step failed")
+            self._failure = exc
+            for wake in self._wakeups.values():
+                wake.set()
         finally:
-            stream.close()
+            self._stepper = None
+
+    def _ensure_stepping(self) -> None:
+        if self._stepper is None:
+            self._failure = None
+            self._stepper = asyncio.create_task(self._run_steps(), name="tts-steps")
 
     async def stream(self, text: str, context: list | None = None) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
-        async with self._lock:
-            t0 = time.perf_counter()
-            samples = 0
-            async for pcm, codes in self.thread.iterate(self._chunks_with_codes, text, context):
-                if samples == 0:
-                    metrics.TTS_TIME_TO_FIRST_CHUNK.observe(time.perf_counter() - t0)
-                samples += len(pcm)
-                yield pcm, codes
+        """(int16 chunk, codes [n, 32] of the frames that made it) for ``text`` spoken after ``context``."""
+        t0 = time.perf_counter()
+        s = await self.thread.open(self.engine.stream, text, context)
+        wake = self._wakeups[s] = asyncio.Event()
+        samples = 0
+        try:
+            self._ensure_stepping()
+            while True:
+                # Cleared before looking: a step that ends after this (even while the consumer holds a
+                # yielded chunk) sets it again, so the wait below never misses one.
+                wake.clear()
+                ended = s.finished  # read before taking: chunks are published before `finished`
+                while (item := s.take()) is not None:
+                    if samples == 0:
+                        metrics.TTS_TIME_TO_FIRST_CHUNK.observe(time.perf_counter() - t0)
+                    samples += len(item[0])
+                    yield item
+                if ended:
+                    break
+                if self._failure is not None:
+                    raise RuntimeError("TTS engine step failed") from self._failure
+                await wake.wait()
             if samples:
-                audio_s = samples / self.engine.sample_rate
-                metrics.TTS_REAL_TIME_FACTOR.observe((time.perf_counter() - t0) / audio_s)
-            self._count_unseen_shapes()
+                metrics.TTS_REAL_TIME_FACTOR.observe((time.perf_counter() - t0) / (samples / self.engine.sample_rate))
+        finally:
+            self._wakeups.pop(s, None)
+            if not s.finished:  # stopped early: free the slot on the inference thread, before the next step
+                self.thread.submit(self.engine.cancel, s)
 
     async def encode(self, pcm_16k: np.ndarray) -> np.ndarray:
         """A user turn's audio (int16, 16 kHz) to Mimi codes [T, 32], once, for the context."""

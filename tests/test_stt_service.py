@@ -1,0 +1,112 @@
+"""STTService bookkeeping around the engine, with a stub engine and an inline "thread" whose
+step results can be held back: the races between a batched step and a stream's end, made exact."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from pipeline.services import STTService
+from pipeline.stt.engine import STTEvent
+
+
+class StubEngine:
+    """Each step emits one partial for every open stream fed since the last step."""
+
+    def __init__(self):
+        self._fed: dict[str, bool] = {}  # open streams: fed since the last step?
+        self.closed: list[str] = []
+
+    @property
+    def active_streams(self) -> list[str]:
+        return list(self._fed)
+
+    def open(self, sid: str) -> None:
+        self._fed[sid] = False
+
+    def close(self, sid: str) -> None:
+        if self._fed.pop(sid, None) is not None:
+            self.closed.append(sid)
+
+    def feed(self, sid: str, audio) -> None:
+        self._fed[sid] = True
+
+    def pending(self) -> bool:
+        return any(self._fed.values())
+
+    def step(self) -> list[STTEvent]:
+        due = [sid for sid, fed in self._fed.items() if fed]
+        for sid in due:
+            self._fed[sid] = False
+        return [STTEvent(sid, "partial", f"<{sid}>") for sid in due]
+
+    def finish_result(self, sid: str):
+        return f"<{sid} final>", [], []
+
+
+class HeldStepThread:
+    """Runs engine calls inline, but can hold a step's result back after the step ran, as if it
+    were still on its way from the inference thread while other calls go ahead."""
+
+    def __init__(self):
+        self.hold_next_step = False
+        self.step_ran = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def run(self, fn, *args):
+        result = fn(*args)
+        if getattr(fn, "__name__", "") == "step" and self.hold_next_step:
+            self.hold_next_step = False
+            self.step_ran.set()
+            await self.release.wait()
+        return result
+
+
+PCM = np.zeros(160, np.int16)
+
+
+@pytest.mark.parametrize("end", ["close", "finish"])
+def test_events_of_a_stream_ended_mid_step_are_dropped(end):
+    """B's push steps A's chunk too; A's turn ends while that step's result is in flight. A's
+    events must not be kept (a leak per turn), nor reach A's next turn."""
+
+    async def go():
+        engine, thread = StubEngine(), HeldStepThread()
+        svc = STTService(engine, thread)
+        assert await svc.open("a") is None and await svc.open("b") is None
+        engine.feed("a", PCM)  # A has a chunk due
+        thread.hold_next_step = True
+        push_b = asyncio.create_task(svc.push("b", PCM))
+        await asyncio.wait_for(thread.step_ran.wait(), 5)
+        ended = await getattr(svc, end)("a")
+        thread.release.set()
+        events_b = await asyncio.wait_for(push_b, 5)
+        kept = sorted(svc._outbox)
+        await svc.open("a")  # A's next turn
+        events_a = await svc.push("a", PCM)
+        return ended, events_b, kept, events_a, engine.closed
+
+    ended, events_b, kept, events_a, closed = asyncio.run(go())
+    assert events_b == [{"kind": "partial", "text": "<b>"}]
+    assert kept == ["b"]  # only open streams have an outbox
+    assert events_a == [{"kind": "partial", "text": "<a>"}]  # its own step only, nothing stale
+    assert closed == ["a"]  # finish gives the slot back too
+    if end == "finish":
+        assert ended == ("<a final>", [])
+
+
+def test_close_is_idempotent_and_finish_frees_the_slot():
+    async def go():
+        engine = StubEngine()
+        svc = STTService(engine, HeldStepThread())
+        await svc.open("a")
+        await svc.push("a", PCM)
+        text = await svc.finish("a")
+        after_finish = engine.active_streams
+        await svc.close("a")
+        await svc.close("a")
+        return text, after_finish, engine.closed, dict(svc._outbox)
+
+    text, after_finish, closed, outbox = asyncio.run(go())
+    assert text == ("<a final>", []) and after_finish == [] and closed == ["a"] and outbox == {}
