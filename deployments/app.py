@@ -45,6 +45,7 @@ def configs(args: AppArgs) -> dict[str, Any]:
     unknown = set(args.session) - session_fields
     if unknown:
         raise ValueError(f"unknown session settings {sorted(unknown)}; known: {sorted(session_fields)}")
+    SessionConfig(**args.session)  # bad values (a limit of 0) stop `serve run` here, not in the gateway
     return {
         "stt": _engine_config(STTConfig, args.profile, args.device, args.stt),
         "llm": _engine_config(LLMConfig, args.profile, args.device, args.llm),

@@ -2,7 +2,6 @@
 # No `from __future__ import annotations` here: FastAPI must see the real WebSocket type
 # through Ray Serve's class-based view, or the WebSocket route rejects every handshake (403).
 import asyncio
-import logging
 from typing import AsyncIterator
 
 import numpy as np
@@ -14,9 +13,9 @@ from starlette.websockets import WebSocketDisconnect
 
 from pipeline import metrics
 from pipeline import protocol as P
-from pipeline.session import NoFreeSlot, Session, SessionConfig
+from pipeline.connection import ClientGone, SessionRegistry, serve_connection
+from pipeline.session import NoFreeSlot, SessionConfig
 
-log = logging.getLogger("ray.serve")
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None)
 
 
@@ -27,6 +26,32 @@ async def _remote_stream(gen) -> AsyncIterator:
             yield item
     finally:
         gen.cancel()
+
+
+class WebSocketConnection:
+    """A Starlette WebSocket as the :class:`pipeline.connection.Connection` a session is served over."""
+
+    def __init__(self, ws: WebSocket):
+        self.ws = ws
+
+    async def receive(self):
+        try:
+            msg = await self.ws.receive()
+        except WebSocketDisconnect:
+            return None
+        if msg["type"] == "websocket.disconnect":
+            return None
+        frame = msg.get("bytes")
+        return frame if frame is not None else msg.get("text", "")
+
+    async def send(self, frame: bytes) -> None:
+        try:
+            await self.ws.send_bytes(frame)
+        except WebSocketDisconnect:
+            raise ClientGone() from None
+
+    async def close(self, code: int, reason: str) -> None:
+        await self.ws.close(code=code, reason=reason)
 
 
 class RayBackends:
@@ -65,10 +90,11 @@ class Gateway:
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict):
         self.backends = RayBackends(stt, llm, tts)
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
-        self.session_args = dict(session)
-        for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT):
+        self.session_cfg = self._session_config(dict(session))
+        for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT, P.E_SERVER_BUSY, P.E_IDLE_TIMEOUT, P.E_TURN_TOO_LONG):
             metrics.ERRORS.labels(code=code).inc(0)
-        self.sessions: dict[str, Session] = {}
+        # This replica's sessions, at most session.max_sessions; the gauge follows its count.
+        self.sessions = SessionRegistry(self.session_cfg.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)
 
     @api.get("/healthz")
     async def healthz(self):
@@ -85,9 +111,10 @@ class Gateway:
         """Prometheus scrape target: every deployment process of this node."""
         return Response(metrics.exposition(), media_type=metrics.CONTENT_TYPE_LATEST)
 
-    def _session_config(self) -> SessionConfig:
+    @staticmethod
+    def _session_config(session_args: dict) -> SessionConfig:
         return SessionConfig(
-            **self.session_args,
+            **session_args,
             on_chunk_gap=metrics.AUDIO_CHUNK_GAP.observe,
             on_first_audio=metrics.TIME_TO_FIRST_AUDIO.observe,
             on_turn=metrics.TURNS.inc,
@@ -97,33 +124,6 @@ class Gateway:
 
     @api.websocket("/v1/conversation")
     async def conversation(self, ws: WebSocket) -> None:
+        """Admission, the receive loop, limits and clean-up live in pipeline.connection (no Ray)."""
         await ws.accept()
-        session = Session(ws.send_bytes, self.backends, self._session_config())
-        try:
-            await session.start()
-        except NoFreeSlot as exc:
-            await session.send_error(P.E_NO_FREE_SLOT, str(exc))
-            await ws.close(code=P.CLOSE_TRY_AGAIN_LATER, reason="no free recogniser slot")
-            return
-        self.sessions[session.id] = session
-        metrics.SESSIONS_ACTIVE.inc()
-        try:
-            while True:
-                msg = await ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    break
-                frame = msg.get("bytes")
-                await session.on_frame(frame if frame is not None else msg.get("text", ""))
-        except WebSocketDisconnect:
-            pass
-        except Exception as exc:  # noqa: BLE001 - one session's fault closes that session only
-            log.exception("session %s failed", session.id)
-            try:
-                await session.send_error(P.E_INTERNAL, f"session failed: {type(exc).__name__}")
-                await ws.close(code=P.CLOSE_INTERNAL_ERROR, reason="internal error")
-            except Exception:  # noqa: BLE001
-                pass
-        finally:
-            self.sessions.pop(session.id, None)
-            metrics.SESSIONS_ACTIVE.dec()
-            await session.close()
+        await serve_connection(WebSocketConnection(ws), self.backends, self.session_cfg, self.sessions)

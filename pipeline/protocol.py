@@ -31,10 +31,13 @@ E_WRONG_TYPE = "wrong_type"            # a field has the wrong type
 E_UNKNOWN_TYPE = "unknown_type"        # ``type`` names no client message
 E_BAD_AUDIO = "bad_audio"              # pcm is empty, odd-length, or longer than 1 s
 E_TEXT_TOO_LONG = "text_too_long"      # a text turn over MAX_TEXT_CHARS
-E_NO_FREE_SLOT = "no_free_slot"        # the recogniser is full; the session is closed (1013)
-E_SERVER_BUSY = "server_busy"          # a backend refused work for this session
+E_NO_FREE_SLOT = "no_free_slot"        # the recogniser is full: this spoken turn is dropped; the session stays open
+E_TURN_TOO_LONG = "turn_too_long"      # a spoken turn reached max_turn_s; it ends as if turn.end had arrived
+E_IDLE_TIMEOUT = "idle_timeout"        # nothing sent either way for idle_timeout_s; the session is closed (1000)
+E_SERVER_BUSY = "server_busy"          # the gateway holds max_sessions sessions; refused before session.ready (1013)
 E_INTERNAL = "internal"                # a server fault while handling this session
 
+CLOSE_NORMAL = 1000
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_INTERNAL_ERROR = 1011
 

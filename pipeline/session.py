@@ -6,13 +6,18 @@ messages back through one ``send`` coroutine. All per-session state lives here, 
 globals: one session's bad frame, error or disconnect touches nothing another holds.
 
 Turn flow: audio frames stream into STT (partials go out as ``transcript.partial``); the
-user turn ends on ``turn.end`` or STT endpointing; its ``transcript.final`` goes out, then
+user turn ends on ``turn.end``, STT endpointing or the ``max_turn_s`` cap; its ``transcript.final`` goes out, then
 a reply task streams LLM text (``response.text``), hands it to TTS clause by clause and
 streams the audio (``audio``), paced to a small lead over real time, ending with
 ``response.done``. A new user turn, or user speech while a reply plays (barge-in), interrupts
 the reply (``response.done`` with ``interrupted: true``), and the history keeps only what
 was actually said. The TTS gets the conversation so far as CSM context: user turns' audio
 encoded once, bot turns' generated codes, inside a bounded number of segments.
+
+A session holds an STT slot only during a spoken turn: from the turn's first audio frame to its
+end (final transcript, a typed turn, the time cap, or close). Idle or typing sessions hold
+none, so open sockets never lock speakers out; a turn that finds every slot busy is told so
+once (``no_free_slot``), its audio is dropped, and a later frame of it tries again.
 """
 from __future__ import annotations
 
@@ -35,15 +40,18 @@ USER_SPEAKER = 1
 
 
 class NoFreeSlot(Exception):
-    """The recogniser has no free slot for a new session."""
+    """The recogniser has no free slot for a new spoken turn."""
 
 
 class Backends(Protocol):
-    """What a session needs from the engines. Audio crosses as contiguous numpy arrays."""
+    """What a session needs from the engines. Audio crosses as contiguous numpy arrays.
+
+    One STT stream per spoken turn: ``stt_open`` takes a slot, ``stt_finish`` returns the turn's
+    transcript and gives the slot back, ``stt_close`` gives it back without one (idempotent)."""
 
     async def stt_open(self, sid: str) -> None: ...  # raises NoFreeSlot
     async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]: ...  # [{"kind","text"}]
-    async def stt_finish(self, sid: str) -> tuple[str, list[dict]]: ...  # (text, words with times)
+    async def stt_finish(self, sid: str) -> tuple[str, list[dict]]: ...  # (text, words with times); frees the slot
     async def stt_close(self, sid: str) -> None: ...
     def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]: ...
     # (int16 24 kHz chunk, Mimi codes [n, 32] of the frames that made it)
@@ -63,12 +71,29 @@ class SessionConfig:
     barge_in_grace_s: float = 0.5  # no interruption during the reply's first audio (echo)
     # CSM context: the last N turns with audio (user audio encoded once, bot codes as generated).
     context_turns: int = 6
+    # Limits (docs/protocol.md, "Session limits"). No frame either way for this long closes the
+    # session (idle_timeout, close 1000).
+    idle_timeout_s: float = 300.0
+    # A spoken turn ends (turn_too_long, then its transcript) once its recognised audio reaches this
+    # length, or this long after it took its STT slot: bounds the buffered audio and the slot's hold.
+    max_turn_s: float = 60.0
+    # Sessions per gateway replica; a connection over the cap gets server_busy (close 1013).
+    max_sessions: int = 64
+    # A turn refused an STT slot tries again on a later audio frame, no sooner than this after.
+    slot_retry_s: float = 1.0
     # Observers for metrics (the gateway wires them); called with seconds.
     on_chunk_gap: Callable[[float], None] | None = None
     on_first_audio: Callable[[float], None] | None = None
     on_turn: Callable[[], None] | None = None
     on_interrupt: Callable[[], None] | None = None
     on_error: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("idle_timeout_s", "max_turn_s", "max_sessions"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.slot_retry_s < 0:
+            raise ValueError(f"SessionConfig.slot_retry_s must be >= 0, got {self.slot_retry_s!r}")
 
 
 @dataclass
@@ -97,40 +122,39 @@ class Session:
         self.turn = 0  # number of the last user turn that ended
         self.listening = False  # audio of turn ``self.turn + 1`` has arrived and not ended
         self.partial = ""
-        self._turn_audio: list[np.ndarray] = []
+        self._turn_audio: list[np.ndarray] = []  # the open turn's recognised audio, at most max_turn_s
+        self._turn_samples = 0  # samples in _turn_audio
+        self._max_turn_samples = max(1, int(self.cfg.max_turn_s * P.INPUT_SAMPLE_RATE))
         self._turn_loud = False
+        self._holds_slot = False  # an STT slot may be held for the open turn (close() releases it)
+        self._slot_taken_at = 0.0  # when the open turn got its slot (the max_turn_s clock)
+        self._refused_at: float | None = None  # last refusal of the open turn's slot; None: not refused
+        self._last_activity_at = time.monotonic()  # last frame either way (the idle clock)
         self.history: list[dict] = []  # chat messages for the LLM
         self.context: list[Segment] = []  # CSM context, oldest first
         self.timings: dict[int, dict[str, float]] = {}  # per turn, ms after transcript.final
         self.reply: _Reply | None = None
-        self._stt_open = False
         self.closed = False
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Take an STT slot and greet the client; raises :class:`NoFreeSlot`."""
-        await self.backends.stt_open(self.id)
-        self._stt_open = True
+        """Greet the client. Nothing is taken from the engines until a spoken turn starts."""
         await self.send(P.session_ready(self.id))
 
     async def close(self) -> None:
-        """Cancel everything this session started and release its STT slot."""
+        """Cancel everything this session started and release an STT slot its open turn holds."""
         if self.closed:
             return
         self.closed = True
         await self._interrupt(send_done=False)
-        if self._stt_open:
-            self._stt_open = False
-            try:
-                await self.backends.stt_close(self.id)
-            except Exception:  # noqa: BLE001 - closing must not raise
-                log.exception("session %s: releasing the STT slot failed", self.id)
+        await self._release_slot()
 
     async def send(self, msg: dict) -> None:
         if self.closed and msg.get("type") != "error":
             return
         async with self._send_lock:
             await self._send_raw(P.pack(msg))
+        self._last_activity_at = time.monotonic()
 
     async def send_error(self, code: str, message: str) -> None:
         if self.cfg.on_error:
@@ -140,6 +164,7 @@ class Session:
     # ------------------------------------------------------------------ input
     async def on_frame(self, frame: bytes | str) -> None:
         """Handle one client frame. Bad input costs one ``error`` message, nothing more."""
+        self._last_activity_at = time.monotonic()
         try:
             msg = P.parse_client_frame(frame)
         except P.ProtocolError as exc:
@@ -153,12 +178,64 @@ class Session:
             await self._end_turn()
 
     async def _on_audio(self, pcm: np.ndarray) -> None:
-        if not self.listening:
-            self.listening = True
-            self.partial = ""
-            self._turn_audio = []
-            self._turn_loud = False
+        """Audio of the open spoken turn, or the first of a new one. The frame that brings a turn to
+        max_turn_s ends it there (turn_too_long); the rest of that frame starts the next turn."""
+        while pcm.size:
+            if not self.listening:
+                await self._begin_turn()
+            elif not self._holds_slot:
+                await self._retry_slot()
+            if not self._holds_slot:
+                return  # a refused turn: its audio is dropped
+            room = self._max_turn_samples - self._turn_samples
+            await self._recognise(pcm[:room])
+            pcm = pcm[room:]
+            if self.listening and self._turn_samples >= self._max_turn_samples:
+                await self._end_long_turn()
+
+    async def _begin_turn(self) -> None:
+        self.listening = True
+        self.partial = ""
+        self._turn_audio = []
+        self._turn_samples = 0
+        self._turn_loud = False
+        self._refused_at = None
+        await self._take_slot()
+
+    async def _take_slot(self) -> None:
+        """Take an STT slot for the open turn. Refused, the client hears it once per turn, the
+        turn's audio is dropped, and a later frame of it tries again (``_retry_slot``)."""
+        self._holds_slot = True  # set first: if this call is cancelled midway, close() still releases
+        try:
+            await self.backends.stt_open(self.id)
+        except NoFreeSlot as exc:
+            self._holds_slot = False
+            first_refusal = self._refused_at is None
+            self._refused_at = time.monotonic()
+            if first_refusal:
+                await self.send_error(P.E_NO_FREE_SLOT, f"{exc}; this turn's audio is dropped until a slot frees "
+                                      "(the session stays open: speak on, speak again later, or type)")
+            return
+        self._refused_at = None
+        self._slot_taken_at = time.monotonic()
+
+    async def _retry_slot(self) -> None:
+        """A refused turn asks again at most every ``slot_retry_s``, so hands-free clients recover."""
+        if time.monotonic() - self._refused_at >= self.cfg.slot_retry_s:
+            await self._take_slot()
+
+    async def _release_slot(self) -> None:
+        if not self._holds_slot:
+            return
+        self._holds_slot = False
+        try:
+            await self.backends.stt_close(self.id)
+        except Exception:  # noqa: BLE001 - releasing must not raise
+            log.exception("session %s: releasing the STT slot failed", self.id)
+
+    async def _recognise(self, pcm: np.ndarray) -> None:
         self._turn_audio.append(pcm)
+        self._turn_samples += len(pcm)
         if not self._turn_loud:
             rms = float(np.sqrt(np.mean(np.square(pcm.astype(np.float32) / 32768.0))))
             self._turn_loud = rms >= self.cfg.barge_in_min_rms
@@ -181,9 +258,18 @@ class Session:
             return True  # nothing played yet: the user simply talks on
         return time.monotonic() - reply.first_audio_at >= self.cfg.barge_in_grace_s
 
+    async def _end_long_turn(self) -> None:
+        await self.send_error(P.E_TURN_TOO_LONG, f"a spoken turn lasts at most {self.cfg.max_turn_s:g} s; "
+                              "it ends here as if turn.end had arrived")
+        await self._end_turn()
+
     async def _end_turn(self, typed_text: str | None = None) -> None:
         """End the current user turn (spoken or typed) and start its reply."""
         ended_at = time.monotonic()
+        if self.listening and not self._holds_slot:
+            self._drop_turn()  # refused: nothing was heard, so nothing is sent and no number is used
+            if typed_text is None:
+                return
         if typed_text is not None and self.listening:
             await self._end_turn()  # spoken audio in flight becomes its own turn first
         await self._interrupt(send_done=True)
@@ -191,13 +277,12 @@ class Session:
         if typed_text is not None:
             text = typed_text
         elif self.listening:
-            text, words = await self.backends.stt_finish(self.id)
+            text, words = await self.backends.stt_finish(self.id)  # gives the slot back
+            self._holds_slot = False
             user_audio = np.concatenate(self._turn_audio) if self._turn_audio else None
         else:
             text = ""
-        self.listening = False
-        self.partial = ""
-        self._turn_audio = []
+        self._drop_turn()
         self.turn += 1
         turn = self.turn
         await self.send(P.transcript_final(text, turn, words))
@@ -207,6 +292,40 @@ class Session:
             self._run_reply(turn, text.strip(), user_audio, ended_at), name=f"reply-{self.id}-{turn}"
         )
         self.reply = _Reply(turn, task)
+
+    def _drop_turn(self) -> None:
+        self.listening = False
+        self.partial = ""
+        self._turn_audio = []
+        self._turn_samples = 0
+        self._refused_at = None
+
+    # ------------------------------------------------------------------ deadlines
+    def next_deadline(self) -> float:
+        """The monotonic time at which :meth:`check_deadlines` next has work: the open turn's
+        ``max_turn_s`` or the idle limit. The receive loop waits for a frame until then."""
+        idle_at = self._idle_deadline()
+        turn_at = self._turn_deadline()
+        return idle_at if turn_at is None else min(idle_at, turn_at)
+
+    async def check_deadlines(self) -> bool:
+        """End a spoken turn that has held its slot past ``max_turn_s`` (a client that stopped
+        sending mid-turn); return True once nothing went either way for ``idle_timeout_s``."""
+        turn_at = self._turn_deadline()
+        if turn_at is not None and time.monotonic() >= turn_at:
+            await self._end_long_turn()
+        return time.monotonic() >= self._idle_deadline()
+
+    def _idle_deadline(self) -> float:
+        if self.reply is not None and not self.reply.task.done():
+            # Waiting for a reply is not idleness (it may queue behind others' TTS): look again later.
+            return time.monotonic() + self.cfg.idle_timeout_s
+        return self._last_activity_at + self.cfg.idle_timeout_s
+
+    def _turn_deadline(self) -> float | None:
+        if self.listening and self._holds_slot:
+            return self._slot_taken_at + self.cfg.max_turn_s
+        return None
 
     async def _interrupt(self, send_done: bool) -> None:
         reply, self.reply = self.reply, None

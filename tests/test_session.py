@@ -1,16 +1,21 @@
 """The conversation loop on real tiny engines, in-process (no Ray): ordering, clause handoff,
-interruption and clean-up, observed through the protocol messages and the engines' counters."""
+interruption, STT slots per spoken turn, session limits and clean-up, observed through the
+protocol messages and the engines' counters."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 
 from pipeline import protocol as P
+from pipeline import session as session_module
 from pipeline.audio import speech_like
+from pipeline.connection import SessionRegistry, serve_connection
 from pipeline.llm.config import LLMConfig
-from pipeline.services import LLMService, LocalBackends, STTService, TTSService
+from pipeline.runtime import InferenceThread
+from pipeline.services import LLMService, LocalBackends, STTService, TTSService, load_stt
 from pipeline.session import Session, SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -25,30 +30,56 @@ def engines():
                                TTSConfig.tiny())
 
 
-@pytest.fixture
-def backends(engines):
+def _fresh(engines, stt: STTService | None = None) -> LocalBackends:
     """Fresh services (their asyncio locks belong to one event loop) over the loaded engines."""
     b = engines
-    return LocalBackends(STTService(b.stt.engine, b.stt.thread), LLMService(b.llm.engine, b.llm.thread),
+    return LocalBackends(stt or STTService(b.stt.engine, b.stt.thread), LLMService(b.llm.engine, b.llm.thread),
                          TTSService(b.tts.engine, b.tts.thread))
+
+
+@pytest.fixture
+def backends(engines):
+    return _fresh(engines)
+
+
+@pytest.fixture(scope="module")
+def one_slot_stt():
+    """A recogniser with a single slot, so two speakers contend for it."""
+    thread = InferenceThread("stt-one-slot")
+    return thread.call(load_stt, STTConfig.tiny(num_slots=1, endpoint_ms=None)), thread
+
+
+@pytest.fixture
+def one_slot(engines, one_slot_stt):
+    return _fresh(engines, STTService(*one_slot_stt))
 
 
 class Recorder:
     def __init__(self):
         self.msgs: list[dict] = []
+        self.times: list[float] = []  # arrival of each message (monotonic)
+        self._arrived = asyncio.Condition()
 
     async def __call__(self, frame: bytes) -> None:
         self.msgs.append(P.unpack(frame))
+        self.times.append(time.monotonic())
+        async with self._arrived:
+            self._arrived.notify_all()
 
     def turn(self, n):
         return [m for m in self.msgs if m.get("turn") == n]
 
+    def errors(self):
+        return [m["code"] for m in self.msgs if m["type"] == "error"]
+
     async def wait(self, pred, timeout=60):
-        for _ in range(int(timeout / 0.01)):
-            if any(pred(m) for m in self.msgs):
-                return
-            await asyncio.sleep(0.01)
-        raise TimeoutError("message not seen")
+        """Until a message satisfying ``pred`` has arrived (woken by each arrival)."""
+        async with self._arrived:
+            await asyncio.wait_for(self._arrived.wait_for(lambda: any(pred(m) for m in self.msgs)), timeout)
+
+
+def _done(turn):
+    return lambda m: m["type"] == "response.done" and m["turn"] == turn
 
 
 def test_spoken_and_typed_turns_in_order(backends):
@@ -240,3 +271,276 @@ def test_tts_context_holds_earlier_turns(backends):
         for k, call in enumerate(calls[1:], start=1):
             np.testing.assert_array_equal(call["context"][-1].codes,
                                           np.concatenate([c for prev in calls[:k] for c in prev["codes"]]))
+
+
+# ----------------------------------------------------------------------------- STT slots per spoken turn
+def _active(b: LocalBackends) -> list[str]:
+    return sorted(b.stt.engine.active_streams)
+
+
+def test_slot_held_only_during_spoken_turn(backends):
+    pcm = speech_like(1.5, seed=7)
+
+    async def go():
+        rec = Recorder()
+        s = Session(rec, backends, SessionConfig(pace_lead_s=None))
+        await s.start()
+        held = {"connected": _active(backends)}
+        await s.on_frame(P.client_text("Just typing."))
+        await rec.wait(_done(1))
+        held["typed"] = _active(backends)
+        await s.on_frame(P.client_audio(pcm[:1600]))
+        held["first audio"] = _active(backends)
+        await _say(s, pcm[1600:])
+        await s.on_frame(P.client_turn_end())  # returns once transcript.final is out
+        held["turn ended"] = _active(backends)
+        await rec.wait(_done(2))
+        await _say(s, pcm)  # the same words again: a fresh recogniser state hears them the same
+        await s.on_frame(P.client_turn_end())
+        await rec.wait(_done(3))
+        await _say(s, pcm[:3200])  # a turn the client leaves open
+        held["left open"] = _active(backends)
+        await s.close()
+        held["closed"] = _active(backends)
+        return rec, s.id, held
+
+    rec, sid, held = asyncio.run(go())
+    assert held == {"connected": [], "typed": [], "first audio": [sid], "turn ended": [],
+                    "left open": [sid], "closed": []}
+    final2, final3 = ([m["text"] for m in rec.turn(n) if m["type"] == "transcript.final"][0] for n in (2, 3))
+    assert final2 and final2 == final3
+    assert rec.errors() == []
+
+
+class FakeClock:
+    """Stands in for the ``time`` module inside pipeline.session: time moves only when told."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_refused_turn_gets_no_free_slot_and_session_keeps_working(one_slot, monkeypatch):
+    """One slot, two speakers: the second is told once, stays open, types, and is heard once the
+    slot frees and its retry interval (1 s, on a fake clock) has passed."""
+    clock = FakeClock()
+    monkeypatch.setattr(session_module, "time", clock)
+    speech = speech_like(1.5, seed=21)
+
+    async def go():
+        rec_a, rec_b = Recorder(), Recorder()
+        a = Session(rec_a, one_slot, SessionConfig(pace_lead_s=None), session_id="a")
+        b = Session(rec_b, one_slot, SessionConfig(pace_lead_s=None), session_id="b")
+        await a.start()
+        await b.start()
+        await _say(a, speech[:8000])  # A speaks: it holds the only slot
+        await _say(b, speech[:8000])  # five frames from B, all refused
+        seen = {"b refused": (rec_b.errors(), _active(one_slot))}
+        n_msgs = len(rec_b.msgs)
+        await b.on_frame(P.client_turn_end())  # ends the refused turn: nothing is sent
+        seen["refused turn.end"] = rec_b.msgs[n_msgs:]
+        await b.on_frame(P.client_text("Typed while the recogniser is full."))
+        await rec_b.wait(_done(1))
+        await _say(b, speech[:3200])  # a new spoken turn, refused again: told again
+        seen["second refusal"] = rec_b.errors()
+        clock.now += 1.0
+        await _say(b, speech[:1600])  # a second later B's turn asks again: still full, not told again
+        seen["failed retry"] = (rec_b.errors(), _active(one_slot))
+        await a.on_frame(P.client_turn_end())  # A's turn ends: the slot is free
+        seen["a ended"] = _active(one_slot)
+        clock.now += 0.5
+        await _say(b, speech[:1600])  # too soon after the last refusal: still dropped
+        seen["too soon"] = _active(one_slot)
+        clock.now += 0.5
+        await _say(b, speech)  # a second after it: B's turn takes the slot from here on
+        seen["retried"] = _active(one_slot)
+        await b.on_frame(P.client_turn_end())
+        await rec_b.wait(_done(2))
+        await rec_a.wait(_done(1))
+        seen["b errors"] = rec_b.errors()
+        await a.close()
+        await b.close()
+        seen["closed"] = _active(one_slot)
+        return rec_a, rec_b, seen
+
+    rec_a, rec_b, seen = asyncio.run(go())
+    assert seen["b refused"] == ([P.E_NO_FREE_SLOT], ["a"])
+    assert seen["refused turn.end"] == []
+    assert [m["text"] for m in rec_b.turn(1) if m["type"] == "transcript.final"] == ["Typed while the recogniser is full."]
+    assert rec_b.turn(1)[-1]["type"] == "response.done"
+    assert seen["second refusal"] == [P.E_NO_FREE_SLOT] * 2
+    assert seen["failed retry"] == ([P.E_NO_FREE_SLOT] * 2, ["a"])
+    assert seen["a ended"] == [] and seen["too soon"] == [] and seen["retried"] == ["b"]
+    assert seen["b errors"] == [P.E_NO_FREE_SLOT] * 2  # the retried turn was not told again
+    final_b2 = [m for m in rec_b.turn(2) if m["type"] == "transcript.final"]
+    assert len(final_b2) == 1 and final_b2[0]["text"]  # heard: turn 2, the refused turns used no number
+    assert max(w["end_ms"] for w in final_b2[0]["words"]) <= 1500 + 80  # times from the recognised audio
+    assert [m["type"] for m in rec_a.turn(1)][-1] == "response.done" and rec_a.errors() == []
+    assert seen["closed"] == []
+
+
+# ----------------------------------------------------------------------------- session limits
+class EncodeSpy(SpyBackends):
+    """Also records the length of each user turn's audio handed to the TTS context."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.encoded_samples: list[int] = []
+
+    async def tts_encode(self, pcm):
+        self.encoded_samples.append(len(pcm))
+        return await super().tts_encode(pcm)
+
+
+def test_max_turn_s_ends_a_long_turn(backends):
+    spy = EncodeSpy(backends)
+    speech = speech_like(2.6, seed=5)
+
+    async def go():
+        rec = Recorder()
+        # no barge-in: turn 2 must not cancel turn 1's reply before its audio is encoded
+        s = Session(rec, spy, SessionConfig(pace_lead_s=None, max_turn_s=2.0, barge_in=False))
+        await s.start()
+        buffered = []
+        for i in range(0, len(speech), 4800):  # 0.3 s frames: the seventh crosses 2 s
+            await s.on_frame(P.client_audio(speech[i : i + 4800]))
+            buffered.append(sum(len(a) for a in s._turn_audio))
+        held_after_cap = _active(backends)
+        await s.on_frame(P.client_turn_end())
+        await rec.wait(_done(2))
+        await s.close()
+        return rec, s.id, buffered, held_after_cap
+
+    rec, sid, buffered, held_after_cap = asyncio.run(go())
+    assert max(buffered) <= 32000  # the turn's buffered audio never exceeds max_turn_s
+    types = [m["type"] for m in rec.msgs]
+    i_err = types.index("error")
+    assert rec.msgs[i_err]["code"] == P.E_TURN_TOO_LONG and rec.errors() == [P.E_TURN_TOO_LONG]
+    final1 = [m for m in rec.turn(1) if m["type"] == "transcript.final"][0]
+    assert i_err < rec.msgs.index(final1)  # the error comes before the turn's transcript
+    assert not any(m.get("turn") == 1 and m["type"] == "transcript.partial" for m in rec.msgs[i_err:])
+    assert all(w["end_ms"] <= 2000 + 80 for w in final1["words"])
+    assert spy.encoded_samples[0] == 32000  # exactly 2 s of the turn reached its reply's context
+    assert held_after_cap == [sid]  # the frame's remaining 0.1 s, and what followed, opened turn 2
+    assert spy.encoded_samples[1] == len(speech) - 32000
+    assert [m["type"] for m in rec.turn(2)][-1] == "response.done"
+
+
+class FakeConnection:
+    """An in-memory client for pipeline.connection: frames queued by the test, replies recorded."""
+
+    def __init__(self):
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.rec = Recorder()
+        self.close_code: int | None = None
+        self.closed = asyncio.Event()
+        self.closed_at = 0.0
+
+    async def receive(self):
+        return await self.inbox.get()
+
+    async def send(self, frame: bytes) -> None:
+        await self.rec(frame)
+
+    async def close(self, code: int, reason: str) -> None:
+        self.close_code, self.closed_at = code, time.monotonic()
+        self.closed.set()
+
+    def leave(self) -> None:
+        self.inbox.put_nowait(None)
+
+
+def test_silent_client_mid_turn_is_ended_by_max_turn(backends):
+    """max_turn_s also counts wall-clock time with the slot held: a client that stops sending
+    mid-turn gives its slot back without sending turn.end."""
+
+    async def go():
+        conn = FakeConnection()
+        registry = SessionRegistry(4)
+        served = asyncio.create_task(serve_connection(conn, backends, SessionConfig(pace_lead_s=None, max_turn_s=1.0),
+                                                      registry))
+        conn.inbox.put_nowait(P.client_audio(speech_like(0.3, seed=2)))
+        await conn.rec.wait(lambda m: m["type"] == "error", timeout=30)
+        await conn.rec.wait(_done(1))
+        held = _active(backends)
+        conn.leave()
+        await asyncio.wait_for(served, 30)
+        return conn, held, len(registry)
+
+    conn, held, registered = asyncio.run(go())
+    types = [m["type"] for m in conn.rec.msgs]
+    assert conn.rec.errors() == [P.E_TURN_TOO_LONG]
+    assert types.index("error") < types.index("transcript.final")
+    assert held == [] and registered == 0 and conn.close_code is None  # the session stayed open
+
+
+def test_idle_timeout_closes_a_quiet_session_after_its_reply(backends):
+    idle_s = 0.3  # the slow LLM (20 ms a token, 40 tokens) replies for longer than this
+
+    async def go():
+        conn = FakeConnection()
+        registry = SessionRegistry(4)
+        cfg = SessionConfig(pace_lead_s=None, idle_timeout_s=idle_s)
+        served = asyncio.create_task(serve_connection(conn, backends, cfg, registry))
+        conn.inbox.put_nowait(P.client_text("Tell me a long story."))
+        await asyncio.wait_for(conn.closed.wait(), 30)
+        await asyncio.wait_for(served, 30)
+        return conn, len(registry)
+
+    conn, registered = asyncio.run(go())
+    msgs, times = conn.rec.msgs, conn.rec.times
+    assert [m["type"] for m in msgs][-2:] == ["response.done", "error"]  # the reply ran to its end
+    assert msgs[-2]["interrupted"] is False and msgs[-1]["code"] == P.E_IDLE_TIMEOUT
+    assert times[-2] - times[0] > idle_s  # the reply itself lasted longer than the idle limit
+    assert conn.closed_at - times[-2] >= idle_s  # closed only after idle_s of silence
+    assert conn.close_code == P.CLOSE_NORMAL and registered == 0
+
+
+def test_server_busy_over_max_sessions(backends):
+    """The connection over the cap is refused before it costs anything; the others go on."""
+    spy = SpyBackends(backends)
+    opened: list[str] = []
+
+    async def stt_open(sid):
+        opened.append(sid)
+        await backends.stt_open(sid)
+
+    spy.stt_open = stt_open
+
+    async def go():
+        registry = SessionRegistry(2)
+        cfg = SessionConfig(pace_lead_s=None, max_sessions=2)
+        conns = [FakeConnection() for _ in range(4)]
+        tasks = [asyncio.create_task(serve_connection(c, spy, cfg, registry)) for c in conns[:3]]
+        await asyncio.wait_for(tasks[2], 10)  # the third returns at once: refused
+        for c in conns[:2]:
+            await c.rec.wait(lambda m: m["type"] == "session.ready")
+        registered_at_cap = len(registry)
+        conns[1].inbox.put_nowait(P.client_text("Still here?"))
+        await conns[1].rec.wait(_done(1))
+        conns[0].leave()
+        await asyncio.wait_for(tasks[0], 10)
+        tasks.append(asyncio.create_task(serve_connection(conns[3], spy, cfg, registry)))
+        await conns[3].rec.wait(lambda m: m["type"] == "session.ready")
+        for c, t in ((conns[1], tasks[1]), (conns[3], tasks[3])):
+            c.leave()
+            await asyncio.wait_for(t, 10)
+        return conns, registered_at_cap, len(registry)
+
+    conns, registered_at_cap, registered_after = asyncio.run(go())
+    refused = conns[2]
+    assert [(m["type"], m.get("code")) for m in refused.rec.msgs] == [("error", P.E_SERVER_BUSY)]
+    assert refused.close_code == P.CLOSE_TRY_AGAIN_LATER
+    # no STT slot for anyone (slots are per spoken turn), no session for the refused one
+    assert registered_at_cap == 2 and opened == []
+    assert conns[1].rec.errors() == [] and conns[1].rec.turn(1)[-1]["type"] == "response.done"
+    assert conns[3].rec.msgs[0]["type"] == "session.ready"  # a place freed: admitted again
+    assert registered_after == 0
+
+
+def test_session_limits_must_be_positive():
+    for name in ("idle_timeout_s", "max_turn_s", "max_sessions"):
+        with pytest.raises(ValueError, match=name):
+            SessionConfig(**{name: 0})

@@ -3,16 +3,20 @@ local Ray cluster, the WebSocket protocol from a client's side."""
 from __future__ import annotations
 
 import asyncio
+import re
+import time
+import urllib.request
 
 import msgpack
 import numpy as np
 import pytest
 import websockets
+import yaml
 
 from load.client import Conversation, TurnResult
 from pipeline import protocol as P
 from pipeline.audio import speech_like
-from tests.e2e.serve_process import URL, healthz
+from tests.e2e.serve_process import PORT, ROOT, URL, healthz
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -153,30 +157,133 @@ def test_empty_turn_and_interruption(server):
     assert second.turn == 4 and second.interrupted is False
 
 
-def test_slot_exhaustion_and_release(server):
-    num_slots = 8  # STTConfig.tiny().num_slots, the serve_config default
+NUM_SLOTS = 8  # STTConfig.tiny().num_slots, the serve_config default
+
+
+def _session_setting(name: str):
+    """A ``session:`` setting of the app the e2e server runs (serve_config.yaml)."""
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    return cfg["applications"][0]["args"]["session"][name]
+
+
+async def _handled(conv: Conversation) -> None:
+    """Return once the server has handled every frame sent so far: it handles a session's frames
+    in order, and answers a frame of an unknown type with one error."""
+    await conv.send(msgpack.packb({"type": "are-you-there"}))
+    await conv.wait_for(lambda m: m["type"] == "error" and m["code"] == P.E_UNKNOWN_TYPE, timeout=60)
+
+
+def test_idle_sessions_hold_no_recogniser_slot(server):
+    """Slots are taken per spoken turn: 20 idle sockets and a speaker all connect, the speaker is
+    served, then more sessions than there are slots each speak a turn, one after another, while
+    the 20 stay open. (When a session held its slot from connect, the 9th connection was refused.)"""
+    assert 21 < _session_setting("max_sessions")
 
     async def go():
-        convs = [Conversation(URL) for _ in range(num_slots)]
+        idle = [Conversation(URL) for _ in range(20)]
+        for c in idle:
+            await c.__aenter__()
+        try:
+            async with Conversation(URL) as speaker:
+                first = await speaker.say_audio(speech_like(1.5, seed=50), chunk_ms=250)
+                speaker_errors = list(speaker.errors)
+            turns = [await c.say_audio(speech_like(1.2, seed=60 + i), chunk_ms=250)
+                     for i, c in enumerate(idle[: NUM_SLOTS + 1])]
+            return first, speaker_errors, turns, [(c.errors, c.closed) for c in idle]
+        finally:
+            for c in idle:
+                await c.__aexit__()
+
+    first, speaker_errors, turns, idle_state = run(go())
+    assert speaker_errors == []
+    check_turn_order(first)
+    check_audio(first)
+    assert first.final_text.strip()
+    assert len(turns) == NUM_SLOTS + 1
+    for tr in turns:
+        assert tr.turn == 1
+        check_turn_order(tr)
+        assert tr.final_text.strip()
+    assert idle_state == [([], None)] * 20  # no errors, all still open
+
+
+def test_slot_exhaustion_keeps_the_session_open(server):
+    """Every slot held by an open spoken turn: a new speaker is told no_free_slot once, stays
+    open, can type, and is heard once a slot frees."""
+
+    async def go():
+        holders = [Conversation(URL) for _ in range(NUM_SLOTS)]
+        for c in holders:
+            await c.__aenter__()
+        try:
+            for i, c in enumerate(holders):
+                await c.send_audio(speech_like(0.2, seed=i))  # a turn starts and holds its slot
+                await _handled(c)
+            async with Conversation(URL) as late:
+                await late.send_audio(speech_like(0.5, seed=99))
+                await _handled(late)
+                refused = [e["code"] for e in late.errors]
+                typed = await late.say_text("Can you hear me?")
+                await holders[0].send(P.client_turn_end())  # a slot frees
+                await holders[0].wait_for(lambda m: m["type"] == "response.done" and m["turn"] == 1)
+                spoken = await late.say_audio(speech_like(1.2, seed=7), chunk_ms=200)
+                late_errors = [e["code"] for e in late.errors]
+            return refused, typed, holders[0].turns[1], spoken, late_errors, [c.errors for c in holders]
+        finally:
+            for c in holders:
+                await c.__aexit__()
+
+    refused, typed, freed, spoken, late_errors, holder_errors = run(go())
+    assert refused == [P.E_NO_FREE_SLOT, P.E_UNKNOWN_TYPE]  # told during the session, which stayed open
+    check_turn_order(typed)
+    assert typed.turn == 1 and typed.final_text == "Can you hear me?"
+    check_turn_order(freed, expect_reply=False)  # 0.2 s of audio may transcribe to nothing
+    check_turn_order(spoken)
+    assert spoken.turn == 2 and spoken.final_text.strip()  # the refused turn used no number
+    assert late_errors == [P.E_NO_FREE_SLOT, P.E_UNKNOWN_TYPE]
+    assert all([e["code"] for e in errs] == [P.E_UNKNOWN_TYPE] for errs in holder_errors)
+
+
+def _sessions_active() -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10).read().decode()
+    found = re.search(r"^voice_sessions_active(?:\{[^}]*\})? (\S+)$", text, flags=re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def _until_sessions_at_most(n: int, timeout: float = 60) -> None:
+    """The server's own count (its /metrics gauge): a closed socket's session ends a moment later."""
+    deadline = time.monotonic() + timeout
+    while _sessions_active() > n:
+        assert time.monotonic() < deadline, f"server still holds more than {n} sessions"
+        await asyncio.sleep(0.2)
+
+
+def test_server_busy_over_max_sessions(server):
+    cap = _session_setting("max_sessions")
+
+    async def go():
+        await _until_sessions_at_most(0)  # the sessions of earlier tests are gone
+        convs = [Conversation(URL) for _ in range(cap)]
         for c in convs:
             await c.__aenter__()
-        async with websockets.connect(URL) as ws:
-            msg = P.unpack(await asyncio.wait_for(ws.recv(), 30))
-            with pytest.raises(websockets.ConnectionClosed):
-                await asyncio.wait_for(ws.recv(), 30)
-            close_code = ws.close_code
-        # others are unaffected
-        tr = await convs[0].say_text("Are you fine?")
-        await convs[-1].__aexit__()
-        await asyncio.sleep(0.5)
-        async with Conversation(URL) as again:  # the disconnected session's slot was freed
-            tr2 = await again.say_text("Hi")
-        for c in convs[:-1]:
-            await c.__aexit__()
-        return msg, close_code, tr, tr2
+        try:
+            async with websockets.connect(URL) as ws:
+                first = P.unpack(await asyncio.wait_for(ws.recv(), 30))
+                with pytest.raises(websockets.ConnectionClosed):
+                    await asyncio.wait_for(ws.recv(), 30)
+                close_code = ws.close_code
+            tr = await convs[0].say_text("Still fine?")  # the admitted sessions are unaffected
+            await convs[-1].__aexit__()
+            await _until_sessions_at_most(cap - 1)
+            async with Conversation(URL) as again:  # a place freed: admitted
+                ready = again.ready
+        finally:
+            for c in convs[:-1]:
+                await c.__aexit__()
+        return first, close_code, tr, ready
 
-    msg, close_code, tr, tr2 = run(go())
-    assert msg["type"] == "error" and msg["code"] == P.E_NO_FREE_SLOT
+    first, close_code, tr, ready = run(go())
+    assert first["type"] == "error" and first["code"] == P.E_SERVER_BUSY
     assert close_code == P.CLOSE_TRY_AGAIN_LATER
     check_turn_order(tr)
-    check_turn_order(tr2)
+    assert ready["type"] == "session.ready"

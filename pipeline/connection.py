@@ -1,0 +1,122 @@
+"""One client connection from admission to clean-up, independent of the web framework.
+
+The gateway adapts its WebSocket to :class:`Connection` and hands it to :func:`serve_connection`;
+tests drive the same code with an in-memory connection, so the session limits (``max_sessions``,
+``idle_timeout_s``, the wall-clock side of ``max_turn_s``) are tested without Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Protocol
+
+from pipeline import protocol as P
+from pipeline.session import Backends, Session, SessionConfig
+
+log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client left while the server was sending to it: the end of the session, not a fault."""
+
+
+class Connection(Protocol):
+    async def receive(self) -> bytes | str | None: ...  # the next client frame; None once the client left
+    async def send(self, frame: bytes) -> None: ...  # raises ClientGone if the client left
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+class SessionRegistry:
+    """The sessions one gateway replica holds, at most ``max_sessions``. The count is checked and
+    taken without an await in between, so concurrent connections never overshoot it."""
+
+    def __init__(self, max_sessions: int, on_count: Callable[[int], None] | None = None):
+        self.max_sessions = max_sessions
+        self._sessions: dict[str, Session] = {}
+        self._on_count = on_count
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def full(self) -> bool:
+        return len(self._sessions) >= self.max_sessions
+
+    def add(self, session: Session) -> None:
+        if self.full:
+            raise RuntimeError(f"session registry is full ({self.max_sessions})")
+        self._sessions[session.id] = session
+        self._changed()
+
+    def remove(self, session: Session) -> None:
+        if self._sessions.pop(session.id, None) is not None:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self._on_count:
+            self._on_count(len(self._sessions))
+
+
+async def serve_connection(conn: Connection, backends: Backends, cfg: SessionConfig,
+                           registry: SessionRegistry) -> None:
+    """Run one client's session: refuse it if the replica is full, else greet it, feed it frames
+    until the client leaves or a limit closes it, and release everything it held."""
+    if registry.full:
+        await _refuse_busy(conn, cfg, registry.max_sessions)
+        return
+    session = Session(conn.send, backends, cfg)
+    registry.add(session)
+    try:
+        await session.start()
+        await _receive_loop(conn, session)
+    except ClientGone:
+        pass
+    except Exception as exc:  # noqa: BLE001 - one session's fault closes that session only
+        log.exception("session %s failed", session.id)
+        await _close_quietly(conn, session, P.E_INTERNAL, f"session failed: {type(exc).__name__}",
+                             P.CLOSE_INTERNAL_ERROR, "internal error")
+    finally:
+        registry.remove(session)
+        await session.close()
+
+
+async def _refuse_busy(conn: Connection, cfg: SessionConfig, max_sessions: int) -> None:
+    """Over the cap: one error and close 1013, before any session or engine state exists."""
+    if cfg.on_error:
+        cfg.on_error(P.E_SERVER_BUSY)
+    msg = P.error(P.E_SERVER_BUSY, f"this server holds its maximum of {max_sessions} sessions; try again later")
+    try:
+        await conn.send(P.pack(msg))
+        await conn.close(P.CLOSE_TRY_AGAIN_LATER, "server busy")
+    except ClientGone:
+        pass
+
+
+async def _receive_loop(conn: Connection, session: Session) -> None:
+    """Frames go to the session in order; between frames the session's deadlines (the open turn's
+    time cap, the idle limit) are checked, so a silent client is still served by its limits."""
+    while True:
+        timeout = max(0.0, session.next_deadline() - time.monotonic())
+        try:
+            frame = await asyncio.wait_for(conn.receive(), timeout)
+        except asyncio.TimeoutError:
+            if await session.check_deadlines():
+                await _close_quietly(conn, session, P.E_IDLE_TIMEOUT,
+                                     f"nothing sent either way for {session.cfg.idle_timeout_s:g} s; closing",
+                                     P.CLOSE_NORMAL, "idle timeout")
+                return
+            continue
+        if frame is None:
+            return
+        await session.on_frame(frame)
+
+
+async def _close_quietly(conn: Connection, session: Session, code: str, message: str,
+                         close_code: int, reason: str) -> None:
+    """The last word to a client that may already be gone."""
+    try:
+        await session.send_error(code, message)
+        await conn.close(close_code, reason)
+    except Exception:  # noqa: BLE001 - nothing more to tell a client we cannot reach
+        pass
