@@ -1,17 +1,20 @@
 """Load test: N concurrent conversations against a server on loopback, for a bounded time.
 
     python -m load.load_test --sessions 1,2,4 --seconds 60 --out out/load
+    python -m load.load_test --sessions 1 --idle 40      # one speaker beside 40 silent sockets
 
 For each N it runs N conversations at once (typed and spoken turns, like the gap test) until
 the time is up, then reports p50/p95/p99 of the chunk gap and time to first audio, errors, and
 whether any gap exceeded ``--max-gap-ms``. It prints a table and a JSON line, writes a JSON
 report and a PNG (gap and time to first audio over time, per N), and states the largest N that
-kept zero gaps over the limit. Only loopback targets are allowed.
+kept zero gaps over the limit. ``--idle K`` holds K more sessions open through each level that
+connect and say nothing (a refused one counts as an error). Only loopback targets are allowed.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -44,13 +47,31 @@ async def one_conversation(url: str, idx: int, deadline: float, t0: float, sampl
         errors.append(f"{type(exc).__name__}")
 
 
-async def run_level(url: str, n: int, seconds: float, progress: bool) -> dict:
+async def idle_sessions(url: str, k: int, errors: list, stack: contextlib.AsyncExitStack) -> None:
+    """Open ``k`` sessions that say nothing for the rest of the level (closed with ``stack``)."""
+    for _ in range(k):
+        try:
+            conv = await stack.enter_async_context(Conversation(url))
+        except Exception as exc:  # noqa: BLE001 - a refused idle socket is an error of the level
+            errors.append(f"idle:{type(exc).__name__}")
+            continue
+        if conv.errors:
+            errors.extend(f"idle:{e['code']}" for e in conv.errors)
+
+
+async def run_level(url: str, n: int, seconds: float, progress: bool, idle: int = 0) -> dict:
+    async with contextlib.AsyncExitStack() as stack:
+        errors: list = []
+        await idle_sessions(url, idle, errors, stack)
+        return await _speak_level(url, n, seconds, progress, errors)
+
+
+async def _speak_level(url: str, n: int, seconds: float, progress: bool, errors: list) -> dict:
+    # synthesized before any session starts: nothing may block the event loop mid-conversation
+    cache = {k: spoken_audio(k, text)[0] for k, text in enumerate(SPOKEN)}
     t0 = time.monotonic()
     deadline = t0 + seconds
     samples: list = []
-    errors: list = []
-    # synthesized before any session starts: nothing may block the event loop mid-conversation
-    cache = {k: spoken_audio(k, text)[0] for k, text in enumerate(SPOKEN)}
     tasks = [asyncio.create_task(one_conversation(url, k, deadline, t0, samples, errors, cache)) for k in range(n)]
     while not all(t.done() for t in tasks):
         await asyncio.sleep(1)
@@ -114,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60, help="duration of each level")
     ap.add_argument("--max-gap-ms", type=float, default=500)
     ap.add_argument("--out", default="out/load")
+    ap.add_argument("--idle", type=int, default=0, help="silent sessions held open through each level")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     host = urlparse(args.url).hostname or ""
@@ -123,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     max_gap_s = args.max_gap_ms / 1000
     levels, rows = [], []
     for n in [int(x) for x in args.sessions.split(",")]:
-        lv = asyncio.run(run_level(args.url, n, args.seconds, not args.no_progress))
+        lv = asyncio.run(run_level(args.url, n, args.seconds, not args.no_progress, args.idle))
         levels.append(lv)
         rows.append(level_summary(lv, max_gap_s))
     print(f"{'N':>3} {'turns':>5} {'gap p50':>8} {'p95':>7} {'p99':>7} {'max':>7} {'>lim':>5} {'ttfa p50':>9} {'p95':>7} {'err':>4}")
@@ -135,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"largest N with zero gaps over {args.max_gap_ms:.0f} ms and no errors: {largest}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"levels": rows, "largest_passing_n": largest}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"levels": rows, "idle_sessions": args.idle, "largest_passing_n": largest}, indent=1))
     draw(levels, max_gap_s, out.with_suffix(".png"))
-    print(json.dumps({"largest_passing_n": largest, "levels": rows}))
+    print(json.dumps({"largest_passing_n": largest, "idle_sessions": args.idle, "levels": rows}))
     return 0
 
 
