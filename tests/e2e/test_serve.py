@@ -80,6 +80,38 @@ def test_ten_turn_conversation(server):
             assert tr.final_text.strip(), "spoken turns of over a second transcribe to something"
 
 
+def test_four_concurrent_conversations(server):
+    """Four sessions talk at once (typed and spoken turns, different lengths): each gets every
+    turn in full and in order, with its own transcript, and their first replies overlap in time
+    (the sessions are served at once, not one conversation after another; that the TTS batches
+    the streams is proven in tests/test_tts_batching.py)."""
+    texts = ["Hello there!", "Tell me about the weather.", "What is a fox?", "Book a table, please."]
+
+    async def one(k: int):
+        async with Conversation(URL) as conv:
+            results = [await conv.say_text(texts[k])]
+            results.append(await conv.say_audio(speech_like(1.0 + 0.4 * k, seed=200 + k), chunk_ms=[100, 160, 250, 500][k]))
+            results.append(await conv.say_text(texts[(k + 1) % 4]))
+            return conv.errors, results
+
+    async def all_four():
+        return await asyncio.gather(*(one(k) for k in range(4)))
+
+    sessions = run(all_four())
+    for k, (errors, results) in enumerate(sessions):
+        assert errors == []
+        assert [r.turn for r in results] == [1, 2, 3]
+        for tr in results:
+            assert tr.interrupted is False
+            check_turn_order(tr)
+            check_audio(tr)
+        assert results[0].final_text == texts[k] and results[2].final_text == texts[(k + 1) % 4]
+        assert results[1].final_text.strip()
+    first_turns = [results[0] for _, results in sessions]
+    # every session had audio arriving before any of the four first replies was done
+    assert max(tr.chunk_times[0] for tr in first_turns) < min(tr.done_at for tr in first_turns)
+
+
 BAD = [
     ("text frame", "not msgpack", P.E_TEXT_FRAME),
     ("oversized", b"\x00" * (P.MAX_FRAME_BYTES + 1), P.E_FRAME_TOO_LARGE),
