@@ -1,22 +1,34 @@
 """STT deployment: a thin adapter over :class:`pipeline.services.STTService`.
 
-Stream state lives in this replica, so the STT deployment runs one replica per app (scale
-by adding apps or GPUs, not replicas, until sessions are routed sticky)."""
+Stream state lives in the replica that opened the stream, so calls are routed by Ray Serve's
+consistent-hash router on the stream id (the gateway sets ``session_id`` on the handle), with
+no fallback replica: a call never lands on a replica that does not hold its stream while that
+replica lives. When the ring changes (a replica dies or is added), a moved stream's next call
+gets UnknownStream and its session restarts the turn on the new owner (docs/scaling.md)."""
 from __future__ import annotations
 
 import numpy as np
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from deployments.replica import ModelReplica
 from pipeline.services import load_stt, STTService
 from pipeline.stt.config import STTConfig
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, num_replicas=1)
+STICKY_ROUTER = RequestRouterConfig(
+    request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+    request_router_kwargs={"num_virtual_nodes": 100, "num_fallback_replicas": 0},
+)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, num_replicas=1,
+                  request_router_config=STICKY_ROUTER)
 class STT(ModelReplica):
     def __init__(self, cfg: STTConfig):
         self.start_engine("stt", lambda: load_stt(cfg))
-        self.svc = STTService(self.engine, self.thread)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.svc = STTService(self.engine, self.thread, replica=replica)
 
     async def open(self, sid: str) -> str | None:
         return await self.svc.open(sid)

@@ -35,6 +35,14 @@ STT_STEP = Histogram("voice_stt_step_seconds", "One batched STT step.", buckets=
 STT_ACTIVE_STREAMS = Gauge(
     "voice_stt_active_streams", "Streams holding an STT slot.", multiprocess_mode="livesum"
 )
+STT_STREAMS_OPENED = Counter(
+    "voice_stt_streams_opened", "STT streams (spoken turns) opened, by replica.", ["replica"]
+)
+STT_UNKNOWN_STREAMS = Counter(
+    "voice_stt_unknown_streams",
+    "Calls for a stream the STT replica does not hold (a misroute or a replaced replica), by replica.",
+    ["replica"],
+)
 LLM_TIME_TO_FIRST_TOKEN = Histogram(
     "voice_llm_time_to_first_token_seconds", "LLM request to its first text delta.", buckets=LATENCY_BUCKETS
 )
@@ -58,7 +66,8 @@ BARGE_INS = Counter("voice_barge_ins", "Replies interrupted by a new user turn."
 ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["code"])
 
 ALL = [
-    AUDIO_CHUNK_GAP, TIME_TO_FIRST_AUDIO, STT_STEP, STT_ACTIVE_STREAMS, LLM_TIME_TO_FIRST_TOKEN,
+    AUDIO_CHUNK_GAP, TIME_TO_FIRST_AUDIO, STT_STEP, STT_ACTIVE_STREAMS, STT_STREAMS_OPENED, STT_UNKNOWN_STREAMS,
+    LLM_TIME_TO_FIRST_TOKEN,
     TTS_TIME_TO_FIRST_CHUNK, TTS_REAL_TIME_FACTOR, COMPILES_AFTER_WARMUP, UNSEEN_SHAPES_AFTER_WARMUP, SESSIONS_ACTIVE, TURNS,
     BARGE_INS, ERRORS,
 ]

@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeline import metrics
 from pipeline.runtime import InferenceThread
-from pipeline.session import NoFreeSlot
+from pipeline.session import NoFreeSlot, UnknownStream
 
 log = logging.getLogger(__name__)
 
@@ -50,29 +50,62 @@ class STTService:
     """Many sessions' streams in one engine; every due chunk advances in one batched step.
 
     A stream is one spoken turn: ``open`` takes a slot, ``finish`` returns the turn's transcript
-    and gives the slot back in the same round trip, ``close`` gives it back without one."""
+    and gives the slot back in the same round trip, ``close`` gives it back without one.
 
-    def __init__(self, engine, thread: InferenceThread):
+    A call for a stream this service does not hold raises :class:`UnknownStream` (counted: with
+    sticky routing it means a misroute or a replaced replica). Opening an open stream id restarts
+    it (its caller gave up on the old one, e.g. after a timeout). A stream no call has touched for
+    ``stale_after_s`` is abandoned (its session's calls now reach another replica) and is closed
+    when a new stream needs its slot."""
+
+    def __init__(self, engine, thread: InferenceThread, stale_after_s: float = 120.0, replica: str = ""):
         self.engine, self.thread = engine, thread
+        self.stale_after_s = stale_after_s
+        self.replica = replica  # label of this replica's metrics
         # Events waiting for their stream's next push; a key exists exactly while the stream is open,
         # so a step that finishes after its stream closed leaves nothing behind.
         self._outbox: dict[str, list[dict]] = {}
+        self._last_call: dict[str, float] = {}  # stream id -> monotonic time of its last call
         self._step_lock = asyncio.Lock()
 
     async def open(self, sid: str) -> str | None:
         """Take a slot for a spoken turn; returns None, or the reason it could not."""
         from pipeline.stt.engine import NoFreeSlotError
 
+        if sid in self._outbox:
+            await self.close(sid)
         try:
             await self.thread.run(self.engine.open, sid)
         except NoFreeSlotError as exc:
-            return str(exc)
+            if not await self._close_stale():
+                return str(exc)
+            try:
+                await self.thread.run(self.engine.open, sid)
+            except NoFreeSlotError as exc2:
+                return str(exc2)
         self._outbox[sid] = []
+        self._last_call[sid] = time.monotonic()
+        metrics.STT_STREAMS_OPENED.labels(replica=self.replica).inc()
         self._export_active()
         return None
 
+    async def _close_stale(self) -> int:
+        now = time.monotonic()
+        stale = [sid for sid, t in self._last_call.items() if now - t > self.stale_after_s]
+        for sid in stale:
+            log.warning("STT stream %s untouched for %.0f s: closing it", sid, now - self._last_call[sid])
+            await self.close(sid)
+        return len(stale)
+
+    def _known(self, sid: str) -> None:
+        if sid not in self._outbox:
+            metrics.STT_UNKNOWN_STREAMS.labels(replica=self.replica).inc()
+            raise UnknownStream(f"this STT replica holds no stream {sid!r}")
+        self._last_call[sid] = time.monotonic()
+
     async def push(self, sid: str, pcm: np.ndarray) -> list[dict]:
         """Buffer int16 audio for a stream, run the steps now due, return its events."""
+        self._known(sid)
         audio = np.ascontiguousarray(pcm, dtype=np.float32) / 32768.0
         await self.thread.run(self.engine.feed, sid, audio)
         await self._drain()
@@ -96,7 +129,9 @@ class STTService:
     async def finish(self, sid: str) -> tuple[str, list[dict]]:
         """The turn's final text and its words with times (ms from the turn's first recognised
         audio); the slot is free again when this returns, even if decoding failed."""
+        self._known(sid)
         self._outbox.pop(sid, None)
+        self._last_call.pop(sid, None)
         try:
             text, _, words = await self.thread.run(self._finish_and_close, sid)
         finally:
@@ -113,6 +148,7 @@ class STTService:
     async def close(self, sid: str) -> None:
         """Give the slot back without a transcript (session gone); closing twice is harmless."""
         self._outbox.pop(sid, None)
+        self._last_call.pop(sid, None)
         await self.thread.run(self.engine.close, sid)
         self._export_active()
 

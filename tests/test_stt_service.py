@@ -7,14 +7,17 @@ import asyncio
 import numpy as np
 import pytest
 
+from pipeline import services as services_module
 from pipeline.services import STTService
-from pipeline.stt.engine import STTEvent
+from pipeline.session import UnknownStream
+from pipeline.stt.engine import NoFreeSlotError, STTEvent
 
 
 class StubEngine:
     """Each step emits one partial for every open stream fed since the last step."""
 
-    def __init__(self):
+    def __init__(self, num_slots: int = 64):
+        self.num_slots = num_slots
         self._fed: dict[str, bool] = {}  # open streams: fed since the last step?
         self.closed: list[str] = []
 
@@ -23,6 +26,10 @@ class StubEngine:
         return list(self._fed)
 
     def open(self, sid: str) -> None:
+        if sid in self._fed:
+            raise ValueError(f"{sid} is already open")
+        if len(self._fed) >= self.num_slots:
+            raise NoFreeSlotError("full")
         self._fed[sid] = False
 
     def close(self, sid: str) -> None:
@@ -110,3 +117,71 @@ def test_close_is_idempotent_and_finish_frees_the_slot():
 
     text, after_finish, closed, outbox = asyncio.run(go())
     assert text == ("<a final>", []) and after_finish == [] and closed == ["a"] and outbox == {}
+
+
+def test_unknown_stream_is_a_clear_error_and_counted():
+    """A call for a stream this replica does not hold (never opened here, or already finished)
+    raises UnknownStream, never a KeyError deep in the engine, and counts as a misroute."""
+    counter = services_module.metrics.STT_UNKNOWN_STREAMS.labels(replica="r1")
+
+    async def go():
+        svc = STTService(StubEngine(), HeldStepThread(), replica="r1")
+        before = counter._value.get()
+        with pytest.raises(UnknownStream):
+            await svc.push("never-opened", PCM)
+        await svc.open("a")
+        await svc.finish("a")
+        with pytest.raises(UnknownStream):
+            await svc.finish("a")
+        return counter._value.get() - before
+
+    assert asyncio.run(go()) == 2
+
+
+def test_reopening_an_open_stream_restarts_it():
+    """A session that gave up on a stream (its open timed out, say) opens the same id again:
+    the old stream is closed, not an error, and one slot is held."""
+
+    async def go():
+        engine = StubEngine()
+        svc = STTService(engine, HeldStepThread())
+        await svc.open("a")
+        await svc.push("a", PCM)
+        reason = await svc.open("a")
+        return reason, engine.active_streams, engine.closed
+
+    assert asyncio.run(go()) == (None, ["a"], ["a"])
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_abandoned_streams_give_their_slots_to_new_ones(monkeypatch):
+    """Streams no call touched for stale_after_s (their sessions went to another replica) are
+    closed when a new stream finds every slot taken; a stream still in use is kept."""
+    clock = Clock()
+    monkeypatch.setattr(services_module, "time", clock)
+
+    async def go():
+        engine = StubEngine(num_slots=2)
+        svc = STTService(engine, HeldStepThread(), stale_after_s=30)
+        await svc.open("old")
+        await svc.open("busy")
+        refused_fresh = await svc.open("new")  # nothing is stale yet: refused
+        clock.now += 20
+        await svc.push("busy", PCM)
+        clock.now += 20  # "old" untouched for 40 s, "busy" for 20 s
+        taken = await svc.open("new")
+        return refused_fresh, taken, sorted(engine.active_streams), engine.closed
+
+    refused_fresh, taken, active, closed = asyncio.run(go())
+    assert refused_fresh == "full"
+    assert taken is None and active == ["busy", "new"] and closed == ["old"]
