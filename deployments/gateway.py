@@ -2,21 +2,43 @@
 # No `from __future__ import annotations` here: FastAPI must see the real WebSocket type
 # through Ray Serve's class-based view, or the WebSocket route rejects every handshake (403).
 import asyncio
+import functools
 from typing import AsyncIterator
 
 import numpy as np
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import JSONResponse, Response
+from ray import exceptions as ray_errors
 from ray import serve
+from ray.serve import exceptions as serve_errors
 from ray.serve.handle import DeploymentHandle
 from starlette.websockets import WebSocketDisconnect
 
 from pipeline import metrics
 from pipeline import protocol as P
 from pipeline.connection import ClientGone, SessionRegistry, serve_connection
-from pipeline.session import NoFreeSlot, SessionConfig
+from pipeline.session import EngineUnavailable, NoFreeSlot, SessionConfig
 
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None)
+
+# What Ray raises when the replica serving a call is gone or cannot be reached: the session
+# tells its client engine_unavailable (and carries on), never internal.
+REPLICA_GONE = (ray_errors.RayActorError, ray_errors.ActorUnavailableError, ray_errors.NodeDiedError,
+                ray_errors.WorkerCrashedError, ray_errors.ObjectLostError, ray_errors.OwnerDiedError,
+                serve_errors.DeploymentUnavailableError, serve_errors.BackPressureError)
+
+
+def _engine_call(method):
+    """A Backends method whose replica may die under it: Ray's errors become EngineUnavailable."""
+
+    @functools.wraps(method)
+    async def call(*args, **kwargs):
+        try:
+            return await method(*args, **kwargs)
+        except REPLICA_GONE as exc:
+            raise EngineUnavailable(f"{type(exc).__name__}: the replica is gone") from None
+
+    return call
 
 
 async def _remote_stream(gen) -> AsyncIterator:
@@ -24,6 +46,8 @@ async def _remote_stream(gen) -> AsyncIterator:
     try:
         async for item in gen:
             yield item
+    except REPLICA_GONE as exc:
+        raise EngineUnavailable(f"{type(exc).__name__}: the replica is gone") from None
     finally:
         gen.cancel()
 
@@ -55,24 +79,33 @@ class WebSocketConnection:
 
 
 class RayBackends:
-    """The session's view of the engines, through deployment handles."""
+    """The session's view of the engines, through deployment handles. Every STT call of one
+    stream carries its id as the routing key, so the STT deployment's consistent-hash router
+    sends them all to the replica that holds the stream (UnknownStream comes back as itself)."""
 
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle):
         self.stt, self.llm, self.tts = stt, llm, tts
 
+    def _stt(self, sid: str) -> DeploymentHandle:
+        return self.stt.options(session_id=sid)
+
+    @_engine_call
     async def stt_open(self, sid: str) -> None:
-        reason = await self.stt.open.remote(sid)
+        reason = await self._stt(sid).open.remote(sid)
         if reason:
             raise NoFreeSlot(reason)
 
+    @_engine_call
     async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]:
-        return await self.stt.push.remote(sid, pcm)
+        return await self._stt(sid).push.remote(sid, pcm)
 
+    @_engine_call
     async def stt_finish(self, sid: str) -> tuple[str, list[dict]]:
-        return await self.stt.finish.remote(sid)
+        return await self._stt(sid).finish.remote(sid)
 
+    @_engine_call
     async def stt_close(self, sid: str) -> None:
-        await self.stt.close.remote(sid)
+        await self._stt(sid).close.remote(sid)
 
     def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]:
         return _remote_stream(self.llm.options(stream=True).stream.remote(messages))
@@ -80,6 +113,7 @@ class RayBackends:
     def tts_stream(self, text: str, context: list) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
         return _remote_stream(self.tts.options(stream=True).stream.remote(text, context))
 
+    @_engine_call
     async def tts_encode(self, pcm: np.ndarray) -> np.ndarray:
         return await self.tts.encode.remote(pcm)
 
@@ -91,7 +125,8 @@ class Gateway:
         self.backends = RayBackends(stt, llm, tts)
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
         self.session_cfg = self._session_config(dict(session))
-        for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT, P.E_SERVER_BUSY, P.E_IDLE_TIMEOUT, P.E_TURN_TOO_LONG):
+        for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT, P.E_SERVER_BUSY, P.E_IDLE_TIMEOUT, P.E_TURN_TOO_LONG,
+                     P.E_ENGINE_UNAVAILABLE):
             metrics.ERRORS.labels(code=code).inc(0)
         # This replica's sessions, at most session.max_sessions; the gauge follows its count.
         self.sessions = SessionRegistry(self.session_cfg.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)

@@ -35,6 +35,7 @@ E_NO_FREE_SLOT = "no_free_slot"        # the recogniser is full: this spoken tur
 E_TURN_TOO_LONG = "turn_too_long"      # a spoken turn reached max_turn_s; it ends as if turn.end had arrived
 E_IDLE_TIMEOUT = "idle_timeout"        # nothing sent either way for idle_timeout_s; the session is closed (1000)
 E_SERVER_BUSY = "server_busy"          # the gateway holds max_sessions sessions; refused before session.ready (1013)
+E_ENGINE_UNAVAILABLE = "engine_unavailable"  # a model replica failed or did not answer in time; the session stays open
 E_INTERNAL = "internal"                # a server fault while handling this session
 
 CLOSE_NORMAL = 1000

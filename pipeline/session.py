@@ -18,6 +18,14 @@ A session holds an STT slot only during a spoken turn: from the turn's first aud
 end (final transcript, a typed turn, the time cap, or close). Idle or typing sessions hold
 none, so open sockets never lock speakers out; a turn that finds every slot busy is told so
 once (``no_free_slot``), its audio is dropped, and a later frame of it tries again.
+
+Engines fail without taking the session with them: every engine call, and every item of an
+engine stream, must answer within ``engine_timeout_s`` or the call fails as
+:class:`EngineUnavailable` (so does a replica that died under it). The client then gets one
+``engine_unavailable`` error: a spoken turn loses its audio so far (later frames of it try for a
+slot again), a reply ends with ``response.done``; the session stays open for its next turn. An
+STT replica that does not know the turn's stream (its routing key moved to another replica)
+raises :class:`UnknownStream`: the turn restarts there, replaying its audio so far.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 import numpy as np
 
@@ -37,10 +45,20 @@ from pipeline.tts.prompt import Segment
 log = logging.getLogger(__name__)
 
 USER_SPEAKER = 1
+T = TypeVar("T")
 
 
 class NoFreeSlot(Exception):
     """The recogniser has no free slot for a new spoken turn."""
+
+
+class EngineUnavailable(Exception):
+    """An engine did not answer within ``engine_timeout_s``, or the replica serving it is gone."""
+
+
+class UnknownStream(Exception):
+    """The STT replica that got a call holds no stream of that id (it was never opened there, or
+    the replica that held it was replaced): never a silent loss, the session restarts the turn."""
 
 
 class Backends(Protocol):
@@ -49,7 +67,8 @@ class Backends(Protocol):
     One STT stream per spoken turn: ``stt_open`` takes a slot, ``stt_finish`` returns the turn's
     transcript and gives the slot back, ``stt_close`` gives it back without one (idempotent)."""
 
-    async def stt_open(self, sid: str) -> None: ...  # raises NoFreeSlot
+    # Any call may raise EngineUnavailable; stt_push and stt_finish raise UnknownStream.
+    async def stt_open(self, sid: str) -> None: ...  # raises NoFreeSlot; reopening an open sid restarts it
     async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]: ...  # [{"kind","text"}]
     async def stt_finish(self, sid: str) -> tuple[str, list[dict]]: ...  # (text, words with times); frees the slot
     async def stt_close(self, sid: str) -> None: ...
@@ -81,6 +100,9 @@ class SessionConfig:
     max_sessions: int = 64
     # A turn refused an STT slot tries again on a later audio frame, no sooner than this after.
     slot_retry_s: float = 1.0
+    # An engine call, or the next item of an engine stream, that takes longer fails with
+    # engine_unavailable (a dead or unreachable replica is never heard as silence).
+    engine_timeout_s: float = 1.5
     # Observers for metrics (the gateway wires them); called with seconds.
     on_chunk_gap: Callable[[float], None] | None = None
     on_first_audio: Callable[[float], None] | None = None
@@ -89,7 +111,7 @@ class SessionConfig:
     on_error: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("idle_timeout_s", "max_turn_s", "max_sessions"):
+        for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.slot_retry_s < 0:
@@ -207,17 +229,29 @@ class Session:
         turn's audio is dropped, and a later frame of it tries again (``_retry_slot``)."""
         self._holds_slot = True  # set first: if this call is cancelled midway, close() still releases
         try:
-            await self.backends.stt_open(self.id)
+            await self._engine(self.backends.stt_open(self.id))
         except NoFreeSlot as exc:
-            self._holds_slot = False
-            first_refusal = self._refused_at is None
-            self._refused_at = time.monotonic()
-            if first_refusal:
-                await self.send_error(P.E_NO_FREE_SLOT, f"{exc}; this turn's audio is dropped until a slot frees "
-                                      "(the session stays open: speak on, speak again later, or type)")
+            await self._lose_slot(P.E_NO_FREE_SLOT, f"{exc}; this turn's audio is dropped until a slot frees "
+                                  "(the session stays open: speak on, speak again later, or type)")
+            return
+        except EngineUnavailable as exc:
+            await self._lose_slot(P.E_ENGINE_UNAVAILABLE, f"the recogniser is unavailable ({exc}); this turn's "
+                                  "audio is dropped until it answers (the session stays open)")
             return
         self._refused_at = None
         self._slot_taken_at = time.monotonic()
+
+    async def _lose_slot(self, code: str, message: str) -> None:
+        """The open turn has no recogniser stream (refused, or lost with its replica): its audio so
+        far is dropped, the client is told once per turn, a later frame tries again."""
+        self._holds_slot = False
+        self.partial = ""
+        self._turn_audio = []
+        self._turn_samples = 0
+        first_refusal = self._refused_at is None
+        self._refused_at = time.monotonic()
+        if first_refusal:
+            await self.send_error(code, message)
 
     async def _retry_slot(self) -> None:
         """A refused turn asks again at most every ``slot_retry_s``, so hands-free clients recover."""
@@ -229,9 +263,46 @@ class Session:
             return
         self._holds_slot = False
         try:
-            await self.backends.stt_close(self.id)
+            await self._engine(self.backends.stt_close(self.id))
+        except EngineUnavailable as exc:  # a replica that went away took the slot with it
+            log.warning("session %s: releasing the STT slot: %s", self.id, exc)
         except Exception:  # noqa: BLE001 - releasing must not raise
             log.exception("session %s: releasing the STT slot failed", self.id)
+
+    # ------------------------------------------------------------------ engine calls
+    async def _engine(self, call: Awaitable[T]) -> T:
+        """One engine call, bounded by ``engine_timeout_s``."""
+        try:
+            return await asyncio.wait_for(call, self.cfg.engine_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"no answer within {self.cfg.engine_timeout_s:g} s") from None
+
+    async def _engine_stream(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+        """An engine stream whose every next item must come within ``engine_timeout_s``."""
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(anext(stream), self.cfg.engine_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise EngineUnavailable(f"no next item within {self.cfg.engine_timeout_s:g} s") from None
+                yield item
+        finally:
+            await stream.aclose()
+
+    async def _restart_stream(self) -> list[dict]:
+        """The STT replica lost the turn's stream: open it again (wherever its key routes now) and
+        replay the turn's audio so far; returns the replay's events. The partial transcript is
+        rebuilt from them. Any failure here loses the turn (EngineUnavailable)."""
+        log.warning("session %s: the recogniser does not know this turn's stream; restarting it", self.id)
+        self.partial = ""
+        try:
+            await self._engine(self.backends.stt_open(self.id))
+            audio = np.concatenate(self._turn_audio) if self._turn_audio else np.zeros(0, np.int16)
+            return await self._engine(self.backends.stt_push(self.id, audio))
+        except (NoFreeSlot, UnknownStream) as exc:
+            raise EngineUnavailable(f"restarting the turn's stream failed: {exc}") from None
 
     async def _recognise(self, pcm: np.ndarray) -> None:
         self._turn_audio.append(pcm)
@@ -239,7 +310,15 @@ class Session:
         if not self._turn_loud:
             rms = float(np.sqrt(np.mean(np.square(pcm.astype(np.float32) / 32768.0))))
             self._turn_loud = rms >= self.cfg.barge_in_min_rms
-        events = await self.backends.stt_push(self.id, pcm)
+        try:
+            try:
+                events = await self._engine(self.backends.stt_push(self.id, pcm))
+            except UnknownStream:
+                events = await self._restart_stream()
+        except EngineUnavailable as exc:
+            await self._lose_slot(P.E_ENGINE_UNAVAILABLE, f"the recogniser failed mid-turn ({exc}); this turn's "
+                                  "audio so far is lost (the session stays open; speak again)")
+            return
         for ev in events:
             if ev["kind"] == "partial" and ev["text"]:
                 self.partial += ev["text"]
@@ -277,8 +356,13 @@ class Session:
         if typed_text is not None:
             text = typed_text
         elif self.listening:
-            text, words = await self.backends.stt_finish(self.id)  # gives the slot back
-            self._holds_slot = False
+            try:
+                text, words = await self._finish_stream()  # gives the slot back
+            except EngineUnavailable as exc:
+                self._drop_turn()  # nothing to answer: no turn number is used
+                await self.send_error(P.E_ENGINE_UNAVAILABLE, f"the recogniser did not finish this turn ({exc}); "
+                                      "its audio is lost (the session stays open; speak again)")
+                return
             user_audio = np.concatenate(self._turn_audio) if self._turn_audio else None
         else:
             text = ""
@@ -292,6 +376,19 @@ class Session:
             self._run_reply(turn, text.strip(), user_audio, ended_at), name=f"reply-{self.id}-{turn}"
         )
         self.reply = _Reply(turn, task)
+
+    async def _finish_stream(self) -> tuple[str, list[dict]]:
+        try:
+            try:
+                result = await self._engine(self.backends.stt_finish(self.id))
+            except UnknownStream:
+                await self._restart_stream()
+                result = await self._engine(self.backends.stt_finish(self.id))
+        except (EngineUnavailable, UnknownStream) as exc:
+            self._holds_slot = False  # the replica is gone or lost the stream; close() has nothing to free
+            raise EngineUnavailable(str(exc)) from None
+        self._holds_slot = False
+        return result
 
     def _drop_turn(self) -> None:
         self.listening = False
@@ -374,7 +471,7 @@ class Session:
         full = ""
         try:
             splitter = ClauseSplitter(max_words=self.cfg.clause_max_words)
-            async for delta in self.backends.llm_stream(list(self.history)):
+            async for delta in self._engine_stream(self.backends.llm_stream(list(self.history))):
                 if not delta:
                     continue
                 if not full:
@@ -395,6 +492,11 @@ class Session:
             if encoding:
                 encoding.cancel()
             raise
+        except EngineUnavailable as exc:  # a dead or stalled replica ends this reply, not the session
+            log.warning("session %s turn %d: reply cut short: %s", self.id, turn, exc)
+            speaker.cancel()
+            await asyncio.gather(speaker, return_exceptions=True)
+            await self.send_error(P.E_ENGINE_UNAVAILABLE, f"reply to turn {turn} cut short: an engine is unavailable ({exc})")
         except Exception as exc:  # noqa: BLE001 - a backend fault ends this reply only
             log.exception("session %s turn %d: reply failed", self.id, turn)
             speaker.cancel()
@@ -406,7 +508,10 @@ class Session:
 
     async def _encode_user_turn(self, text: str, pcm: np.ndarray) -> None:
         try:
-            codes = await self.backends.tts_encode(pcm)
+            codes = await self._engine(self.backends.tts_encode(pcm))
+        except EngineUnavailable as exc:
+            log.warning("session %s: encoding user audio: %s", self.id, exc)
+            return
         except Exception:  # noqa: BLE001 - context is an improvement, never a failure
             log.exception("session %s: encoding user audio failed", self.id)
             return
@@ -426,7 +531,7 @@ class Session:
             if reply.codes:  # earlier clauses of this reply continue the same voice
                 context.append(Segment(0, " ".join(reply.spoken), np.concatenate(reply.codes)))
             started = False
-            async for pcm, codes in self.backends.tts_stream(clause, context):
+            async for pcm, codes in self._engine_stream(self.backends.tts_stream(clause, context)):
                 if not started:
                     reply.spoken.append(clause)
                     started = True

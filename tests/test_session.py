@@ -544,3 +544,152 @@ def test_session_limits_must_be_positive():
     for name in ("idle_timeout_s", "max_turn_s", "max_sessions"):
         with pytest.raises(ValueError, match=name):
             SessionConfig(**{name: 0})
+
+
+# ----------------------------------------------------------------------------- engines that fail
+class FailingBackends(SpyBackends):
+    """Real backends whose chosen calls hang, as a replica that died unseen or stopped answering:
+    ``stall`` names the Backends methods that never answer; a TTS stream hangs after one chunk."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.stall: set[str] = set()
+
+    async def _hang(self):
+        await asyncio.Event().wait()
+
+    async def stt_push(self, sid, pcm):
+        if "stt_push" in self.stall:
+            await self._hang()
+        return await self.inner.stt_push(sid, pcm)
+
+    async def tts_stream(self, text, context):
+        n = 0
+        async for item in self.inner.tts_stream(text, context):
+            if n and "tts_stream" in self.stall:
+                await self._hang()
+            n += 1
+            yield item
+
+
+def _finals(rec, turn):
+    return [m["text"] for m in rec.turn(turn) if m["type"] == "transcript.final"]
+
+
+def test_stalled_engines_give_engine_unavailable_and_the_session_goes_on(backends, monkeypatch):
+    """A recogniser that stops answering mid-turn: one engine_unavailable (not one per frame, not
+    internal), the turn's audio is lost and uses no turn number; a second later the next words
+    are heard from a fresh state. A TTS that stops mid-reply: engine_unavailable, then
+    response.done; the next turn is answered in full. The session never closes."""
+    clock = FakeClock()
+    monkeypatch.setattr(session_module, "time", clock)
+    speech = speech_like(1.5, seed=31)
+    failing = FailingBackends(backends)
+    cfg = SessionConfig(pace_lead_s=None, engine_timeout_s=3.0)  # far above a real step here
+
+    async def go():
+        reference = Recorder()  # the same words in an undisturbed session
+        r = Session(reference, backends, cfg, session_id="reference")
+        await r.start()
+        await _say(r, speech)
+        await r.on_frame(P.client_turn_end())
+        await reference.wait(_done(1))
+        await r.close()
+
+        rec = Recorder()
+        s = Session(rec, failing, cfg, session_id="s")
+        await s.start()
+        await _say(s, speech[:8000])
+        failing.stall.add("stt_push")
+        await _say(s, speech[8000:16000])  # the first of these frames times out; the rest are dropped
+        seen = {"stt lost": rec.errors()}
+        failing.stall.discard("stt_push")
+        await s.on_frame(P.client_turn_end())  # ends the lost turn: nothing to answer
+        seen["lost turn.end"] = [m["type"] for m in rec.msgs if m["type"] != "error" and m["type"] != "session.ready"]
+        clock.now += 1.0
+        await _say(s, speech)  # a second later: a slot again, from a fresh recogniser state
+        await s.on_frame(P.client_turn_end())
+        await rec.wait(_done(1))
+        failing.stall.add("tts_stream")
+        await s.on_frame(P.client_text("Tell me a long story, please."))
+        await rec.wait(_done(2))
+        failing.stall.discard("tts_stream")
+        await s.on_frame(P.client_text("And another one."))
+        await rec.wait(_done(3))
+        seen["closed"] = s.closed
+        await s.close()
+        return reference, rec, seen
+
+    reference, rec, seen = asyncio.run(go())
+    assert seen["stt lost"] == [P.E_ENGINE_UNAVAILABLE]
+    assert seen["lost turn.end"] == []
+    assert _finals(rec, 1) == _finals(reference, 1) and _finals(rec, 1)[0]
+    turn2 = [m["type"] for m in rec.turn(2)]
+    assert turn2.count("audio") == 1 and turn2[-1] == "response.done"  # one chunk came, then the TTS hung
+    assert rec.turn(2)[-1]["interrupted"] is False
+    assert rec.errors() == [P.E_ENGINE_UNAVAILABLE, P.E_ENGINE_UNAVAILABLE]
+    i_err = [k for k, m in enumerate(rec.msgs) if m["type"] == "error"][1]
+    assert rec.msgs[i_err + 1] == rec.turn(2)[-1]  # the error, then the reply's done
+    turn3 = [m["type"] for m in rec.turn(3)]
+    assert turn3.count("audio") > 1 and turn3[-1] == "response.done" and rec.turn(3)[-1]["interrupted"] is False
+    assert seen["closed"] is False
+
+
+class MovingBackends(SpyBackends):
+    """The turn's stream 'moves' (its routing key now maps to another STT replica) just before
+    push number ``move_at`` (or before finish): the replica that gets the call does not hold it."""
+
+    def __init__(self, inner, move_at):
+        super().__init__(inner)
+        self.move_at = move_at
+        self.pushes = 0
+
+    async def _move(self, sid):
+        await self.inner.stt.close(sid)  # the replica now asked has never seen this stream
+
+    async def stt_push(self, sid, pcm):
+        self.pushes += 1
+        if self.pushes == self.move_at:
+            await self._move(sid)
+        return await self.inner.stt_push(sid, pcm)
+
+    async def stt_finish(self, sid):
+        if self.move_at == "finish":
+            self.move_at = None  # it moves once
+            await self._move(sid)
+        return await self.inner.stt_finish(sid)
+
+
+@pytest.mark.parametrize("move_at", [14, "finish"])  # 14: after the first partial
+def test_a_moved_stream_restarts_its_turn_with_the_same_transcript(backends, move_at):
+    """UnknownStream from the recogniser: the session opens the stream again and replays the
+    turn's audio; the final transcript equals an undisturbed session's, with no error."""
+    from pipeline import metrics
+
+    speech = speech_like(1.5, seed=32)
+    cfg = SessionConfig(pace_lead_s=None)
+    unknown = metrics.STT_UNKNOWN_STREAMS.labels(replica="")
+
+    async def say(b, sid):
+        rec = Recorder()
+        s = Session(rec, b, cfg, session_id=sid)
+        await s.start()
+        await _say(s, speech)
+        await s.on_frame(P.client_turn_end())
+        await rec.wait(_done(1))
+        await s.close()
+        return rec
+
+    async def go():
+        reference = await say(backends, "reference")
+        before = unknown._value.get()
+        moved = await say(MovingBackends(backends, move_at), "moved")
+        return reference, moved, unknown._value.get() - before, _active(backends)
+
+    reference, moved, misses, active = asyncio.run(go())
+    assert _finals(moved, 1) == _finals(reference, 1) and _finals(moved, 1)[0]
+    assert moved.errors() == []
+    assert misses == 1  # the replica saw one call for a stream it did not hold
+    last_partial = [[m["text"] for m in rec.turn(1) if m["type"] == "transcript.partial"][-1] for rec in (reference, moved)]
+    assert last_partial[0] == last_partial[1]  # the replay rebuilt the partial, not appended to it
+    assert active == []
