@@ -31,7 +31,7 @@ def require_pretrained(name_or_path: str, *, what: str, allow_patterns: list[str
         raise MissingCheckpointError(
             f"{what} checkpoint {name_or_path!r} was not found locally "
             f"(neither a path nor in the Hugging Face cache). Fetch it with "
-            f"`huggingface-cli download {name_or_path}` (accept its licence on huggingface.co "
+            f"`hf download {name_or_path}` (accept its licence on huggingface.co "
             f"first if it is gated), or set GAPLESS_ALLOW_DOWNLOAD=1 to let the server download it, "
             f"or use the tiny profile. Cause: {type(exc).__name__}: {exc}"
         ) from exc
