@@ -11,7 +11,7 @@ from pipeline.services import load_llm, LLMService
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=256)
 class LLM(ModelReplica):
     def __init__(self, cfg: LLMConfig):
-        self.start_engine("llm", lambda: load_llm(cfg))
+        self.start_engine("llm", cfg, load_llm)
         self.svc = LLMService(self.engine, self.thread)
 
     async def stream(self, messages: list[dict]):

@@ -1,5 +1,6 @@
 """What every model deployment shares: threads from its CPU share, one inference thread,
-load and warm-up on that thread before the replica reports healthy."""
+load and warm-up on that thread before the replica reports healthy, and (with ``compile: true``)
+a compile cache on disk so that a new replica of a node starts warm (pipeline/compile_cache.py)."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ from typing import Any, Callable
 import ray
 
 from pipeline import metrics
+from pipeline.compile_cache import warm_start
 from pipeline.compile_guard import COUNTER
 from pipeline.runtime import InferenceThread, keep_large_allocations, pin_torch_threads, threads_for_cpu_share
 
@@ -28,7 +30,9 @@ class ModelReplica:
     thread: InferenceThread
     engine: Any
 
-    def start_engine(self, name: str, load: Callable[[], Any]) -> None:
+    def start_engine(self, name: str, cfg: Any, load: Callable[[Any], Any]) -> None:
+        """Load and warm ``load(cfg)`` on this replica's inference thread; a configuration with
+        ``compile=True`` goes through its compile cache (a warm cache compiles no graph)."""
         threads = threads_for_cpu_share(replica_cpu_share())
         pin_torch_threads(threads)  # the process default, before any torch work
         keep_large_allocations()  # no page faults on each step's big temporaries
@@ -38,7 +42,7 @@ class ModelReplica:
         compiles.inc(0)  # exported as 0 from the start
         COUNTER.install().on_compile_after_warmup(compiles.inc)
         # Load and warm on the thread that will serve: per-thread caches get filled there.
-        self.engine = self.thread.call(load)
+        self.engine = self.thread.call(warm_start(name, cfg, lambda: load(cfg)))
         COUNTER.mark_warm()
         log.info("%s ready in %.1f s (%d torch thread(s))", name, time.perf_counter() - t0, threads)
 

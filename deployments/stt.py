@@ -26,7 +26,7 @@ STICKY_ROUTER = RequestRouterConfig(
                   request_router_config=STICKY_ROUTER)
 class STT(ModelReplica):
     def __init__(self, cfg: STTConfig):
-        self.start_engine("stt", lambda: load_stt(cfg))
+        self.start_engine("stt", cfg, load_stt)
         replica = serve.get_replica_context().replica_id.unique_id
         self.svc = STTService(self.engine, self.thread, replica=replica)
 

@@ -11,7 +11,7 @@ from pipeline.tts.config import TTSConfig
 @serve.deployment(ray_actor_options={"num_cpus": 0.75}, max_ongoing_requests=256)
 class TTS(ModelReplica):
     def __init__(self, cfg: TTSConfig):
-        self.start_engine("tts", lambda: load_tts(cfg))
+        self.start_engine("tts", cfg, load_tts)
         self.svc = TTSService(self.engine, self.thread)
 
     async def stream(self, text: str, context: list | None = None):
