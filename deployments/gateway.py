@@ -78,6 +78,11 @@ class WebSocketConnection:
         await self.ws.close(code=code, reason=reason)
 
 
+def _app_status(app_name: str):
+    """This application's status from Serve's controller (a blocking call: run it in a thread)."""
+    return serve.status().applications.get(app_name)
+
+
 class RayBackends:
     """The session's view of the engines, through deployment handles. Every STT call of one
     stream carries its id as the routing key, so the STT deployment's consistent-hash router
@@ -130,16 +135,36 @@ class Gateway:
             metrics.ERRORS.labels(code=code).inc(0)
         # This replica's sessions, at most session.max_sessions; the gauge follows its count.
         self.sessions = SessionRegistry(self.session_cfg.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)
+        self._app_name = serve.get_replica_context().app_name
 
     @api.get("/healthz")
     async def healthz(self):
-        """200 once every model deployment has loaded and warmed up, 503 before."""
+        """200 while every model deployment serves: a ``ready`` call to it answers, and Serve's
+        controller reports it HEALTHY (every replica it should have is running; a replica that
+        died and is being replaced makes it UNHEALTHY or UPDATING). 503 otherwise: before the
+        models are warm, and during an outage."""
         names = list(self.handles)
         calls = [asyncio.wait_for(self.handles[n].ready.remote(), timeout=2.0) for n in names]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        status = {n: (r is True) for n, r in zip(names, results)}
-        ok = all(status.values())
-        return JSONResponse({"ok": ok, "deployments": status}, status_code=200 if ok else 503)
+        results, states = await asyncio.gather(asyncio.gather(*calls, return_exceptions=True),
+                                               self._serve_states())
+        ready = {n: (r is True) for n, r in zip(names, results)}
+        ok = all(ready.values()) and all(states.get(n, {}).get("status") == "HEALTHY" for n in names)
+        return JSONResponse({"ok": ok, "deployments": ready, "serve": states}, status_code=200 if ok else 503)
+
+    async def _serve_states(self) -> dict[str, dict]:
+        """Each model deployment's status and replica states from Serve's controller ({} if it
+        cannot be asked: then only the ready calls count against health)."""
+        deployment_names = {"stt": "STT", "llm": "LLM", "tts": "TTS"}
+        try:
+            app = await asyncio.wait_for(asyncio.to_thread(_app_status, self._app_name), timeout=2.0)
+        except Exception:  # noqa: BLE001 - the controller is busy or restarting
+            return {}
+        out = {}
+        for key, dep in deployment_names.items():
+            d = app.deployments.get(dep) if app else None
+            if d is not None:
+                out[key] = {"status": str(getattr(d.status, "value", d.status)), "replicas": dict(d.replica_states)}
+        return out
 
     @api.get("/metrics")
     async def metrics(self):
