@@ -28,8 +28,9 @@ def healthz() -> int | None:
 class ServeProcess:
     """``serve run CONFIG`` in its own process group; stopped with SIGTERM (SIGINT hangs)."""
 
-    def __init__(self, config: str = "serve_config.yaml", log_path: str | None = None):
+    def __init__(self, config: str = "serve_config.yaml", log_path: str | None = None, env: dict | None = None):
         self.config = config
+        self.env = env or {}  # e.g. RAY_ADDRESS: deploy onto a cluster started beforehand
         self.log_path = log_path or str(ROOT / "out" / "serve-test.log")
         self.proc: subprocess.Popen | None = None
         self.seen_503 = False
@@ -40,7 +41,7 @@ class ServeProcess:
             raise RuntimeError(f"something already answers on port {PORT}; stop it first")
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
-        env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", **self.env)
         serve = str(Path(sys.executable).parent / "serve")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
