@@ -520,21 +520,20 @@ class Session:
 
     async def _speak(self, reply: _Reply, clauses: asyncio.Queue, encoding: asyncio.Task | None,
                      ended_at: float, final_at: float, marks: dict) -> None:
+        """Send the reply's audio, paced to ``pace_lead_s`` ahead of real time, while
+        :meth:`_synthesize` makes it as fast as the TTS goes: the next clause's synthesis starts
+        when the previous clause is made, not when it has been played, so a clause boundary is
+        never dead air while the TTS runs faster than real time."""
+        chunks: asyncio.Queue = asyncio.Queue()  # bounded by the reply: its clauses' frames
+        synthesis = asyncio.create_task(self._synthesize(clauses, encoding, chunks))
         seq = 0
         last_at = None
         audio_s = 0.0
-        while (clause := await clauses.get()) is not None:
-            if encoding is not None:
-                await encoding  # the user's turn joins the context before the first clause
-                encoding = None
-            context = list(self.context)
-            if reply.codes:  # earlier clauses of this reply continue the same voice
-                context.append(Segment(0, " ".join(reply.spoken), np.concatenate(reply.codes)))
-            started = False
-            async for pcm, codes in self._engine_stream(self.backends.tts_stream(clause, context)):
-                if not started:
+        try:
+            while (item := await chunks.get()) is not None:
+                clause, pcm, codes = item
+                if clause is not None:  # the first chunk of a clause: it starts playing now
                     reply.spoken.append(clause)
-                    started = True
                 now = time.monotonic()
                 if reply.first_audio_at is None:
                     reply.first_audio_at = now
@@ -553,3 +552,32 @@ class Session:
                 reply.codes.append(codes)
                 seq += 1
                 audio_s += len(pcm) / P.OUTPUT_SAMPLE_RATE
+            await synthesis  # raises what ended the synthesis early (e.g. EngineUnavailable)
+        finally:
+            synthesis.cancel()
+            await asyncio.gather(synthesis, return_exceptions=True)
+
+    async def _synthesize(self, clauses: asyncio.Queue, encoding: asyncio.Task | None,
+                          chunks: asyncio.Queue) -> None:
+        """Each clause through the TTS, in order, into ``chunks`` as (clause on its first chunk
+        else None, pcm, codes); None at the end, also when it fails. A clause continues the voice
+        of the reply's clauses made before it (their generated codes are its context)."""
+        made_text: list[str] = []
+        made_codes: list[np.ndarray] = []
+        try:
+            while (clause := await clauses.get()) is not None:
+                if encoding is not None:
+                    await encoding  # the user's turn joins the context before the first clause
+                    encoding = None
+                context = list(self.context)
+                if made_codes:
+                    context.append(Segment(0, " ".join(made_text), np.concatenate(made_codes)))
+                first = True
+                async for pcm, codes in self._engine_stream(self.backends.tts_stream(clause, context)):
+                    chunks.put_nowait((clause if first else None, pcm, codes))
+                    made_codes.append(codes)
+                    first = False
+                if not first:
+                    made_text.append(clause)
+        finally:
+            chunks.put_nowait(None)
