@@ -25,6 +25,16 @@ def healthz() -> int | None:
         return None
 
 
+def wait_until_down(timeout: float = 60) -> None:
+    """Return once nothing answers on the port: processes killed by ``ray stop --force`` release
+    it a moment after the command returns, and the next test's server needs it."""
+    deadline = time.monotonic() + timeout
+    while healthz() is not None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"something still answers on port {PORT} {timeout} s after stopping")
+        time.sleep(0.2)
+
+
 class ServeProcess:
     """``serve run CONFIG`` in its own process group; stopped with SIGTERM (SIGINT hangs)."""
 
@@ -75,3 +85,4 @@ class ServeProcess:
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"],
                        capture_output=True, timeout=120)
         self.proc = None
+        wait_until_down()

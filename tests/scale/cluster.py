@@ -20,16 +20,21 @@ from pathlib import Path
 
 import yaml
 
-from tests.e2e.serve_process import PORT, ROOT, ServeProcess
+from tests.e2e.serve_process import PORT, ROOT, ServeProcess, wait_until_down
 
 GCS_PORT = 6391
 ADDRESS = f"127.0.0.1:{GCS_PORT}"
+# Ray 2.60's `ray start --head` turns token authentication on unless told otherwise, and a raylet
+# joining it decides its own mode from its environment and local files (a previous local
+# cluster's included): one explicit mode for every process of this loopback-only test cluster.
+# A real cluster keeps tokens on (docs/scaling.md).
+ENV = {"RAY_ADDRESS": ADDRESS, "RAY_AUTH_MODE": "disabled"}
 BIN = Path(sys.executable).parent
 APP = "gapless"
 
 
 def _ray(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, RAY_ADDRESS=ADDRESS)
+    env = dict(os.environ, **ENV)
     return subprocess.run([str(BIN / "ray"), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -61,6 +66,7 @@ class TwoNodeCluster:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        wait_until_down()  # an earlier test's server may still be letting go of the port
         common = ["--disable-usage-stats", "--object-store-memory", str(300 * 2**20)]
         head = _ray("start", "--head", f"--port={GCS_PORT}", "--num-cpus=1", "--resources", '{"head_node": 1}',
                     "--include-dashboard=true", *common)
@@ -72,7 +78,7 @@ class TwoNodeCluster:
             raise RuntimeError(f"ray start --address failed: {worker.stdout[-2000:]}{worker.stderr[-2000:]}")
         config = two_node_config(self.workdir / "serve_config.two_nodes.yaml", self.stt_replicas)
         self.serve = ServeProcess(str(config), log_path=str(ROOT / "out" / "serve-two-nodes.log"),
-                                  env={"RAY_ADDRESS": ADDRESS})
+                                  env=ENV)
         try:
             self.serve.start()
         except BaseException:
