@@ -152,8 +152,8 @@ class Gateway:
         return JSONResponse({"ok": ok, "deployments": ready, "serve": states}, status_code=200 if ok else 503)
 
     async def _serve_states(self) -> dict[str, dict]:
-        """Each model deployment's status and replica states from Serve's controller ({} if it
-        cannot be asked: then only the ready calls count against health)."""
+        """Each model deployment's status and replica states from Serve's controller; {} when it
+        does not answer within 2 s, which /healthz counts as not healthy."""
         deployment_names = {"stt": "STT", "llm": "LLM", "tts": "TTS"}
         try:
             app = await asyncio.wait_for(asyncio.to_thread(_app_status, self._app_name), timeout=2.0)
