@@ -74,15 +74,13 @@ class STTService:
 
         if sid in self._outbox:
             await self.close(sid)
-        try:
-            await self.thread.run(self.engine.open, sid)
-        except NoFreeSlotError as exc:
-            if not await self._close_stale():
-                return str(exc)
+        for retry in (False, True):  # once more after closing abandoned streams, if there were any
             try:
                 await self.thread.run(self.engine.open, sid)
-            except NoFreeSlotError as exc2:
-                return str(exc2)
+                break
+            except NoFreeSlotError as exc:
+                if retry or not await self._close_stale():
+                    return str(exc)
         self._outbox[sid] = []
         self._last_call[sid] = time.monotonic()
         metrics.STT_STREAMS_OPENED.labels(replica=self.replica).inc()
