@@ -16,7 +16,8 @@ from starlette.websockets import WebSocketDisconnect
 
 from pipeline import metrics
 from pipeline import protocol as P
-from pipeline.connection import ClientGone, SessionRegistry, serve_connection
+from pipeline.connection import ClientGone, SessionRegistry, refuse_options, serve_connection, session_options
+from pipeline.listening import warm_listening
 from pipeline.session import EngineUnavailable, NoFreeSlot, SessionConfig
 
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None)
@@ -135,6 +136,8 @@ class Gateway:
             metrics.ERRORS.labels(code=code).inc(0)
         # This replica's sessions, at most session.max_sessions; the gauge follows its count.
         self.sessions = SessionRegistry(self.session_cfg.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)
+        # The turn-taking models load here, before the replica is ready, not on a first caller.
+        warm_listening()
         self._app_name = serve.get_replica_context().app_name
 
     @api.get("/healthz")
@@ -186,4 +189,10 @@ class Gateway:
     async def conversation(self, ws: WebSocket) -> None:
         """Admission, the receive loop, limits and clean-up live in pipeline.connection (no Ray)."""
         await ws.accept()
-        await serve_connection(WebSocketConnection(ws), self.backends, self.session_cfg, self.sessions)
+        conn = WebSocketConnection(ws)
+        try:
+            cfg = session_options(self.session_cfg, dict(ws.query_params))
+        except ValueError as exc:
+            await refuse_options(conn, str(exc))
+            return
+        await serve_connection(conn, self.backends, cfg, self.sessions)

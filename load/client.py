@@ -151,3 +151,32 @@ class Conversation:
         self.turns.setdefault(turn, TurnResult(turn)).ended_at = time.monotonic()
         await self.send(P.client_turn_end())
         return await self._finish_turn(turn, timeout)
+
+    async def say_hands_free(self, pcm: np.ndarray, speech_end: int, chunk_ms: int = 20, timeout: float = 60,
+                             mic=None) -> TurnResult:
+        """A hands-free spoken turn: ``pcm`` and then silence stream in real time, as a microphone
+        delivers them (each frame when its last sample is captured), without turn.end, until the
+        server has ended the turn and answered it. ``speech_end`` is the sample where the speech
+        in ``pcm`` ends; the turn's ``ended_at`` is when that sample was spoken, so
+        ``time_to_first_audio`` is voice-to-voice. ``mic(start, n)``, if given, adds to each frame
+        (e.g. the echo of what plays, load/speakerphone.py)."""
+        turn = max(self.turns, default=0) + 1
+        step = P.INPUT_SAMPLE_RATE * chunk_ms // 1000
+        t0 = time.monotonic()
+        k = 0
+        while not (turn in self.turns and self.turns[turn].done_at):
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"turn {turn} was not ended and answered within {timeout} s")
+            frame = np.zeros(step, np.float32)
+            part = pcm[k:k + step]
+            frame[: len(part)] = part
+            if mic is not None:
+                frame += mic(k, step)
+            await asyncio.sleep(max(0.0, t0 + (k + step) / P.INPUT_SAMPLE_RATE - time.monotonic()))
+            await self.send(P.client_audio(np.clip(frame, -32768, 32767).astype(np.int16)))
+            k += step
+        tr = self.turns[turn]
+        tr.ended_at = t0 + speech_end / P.INPUT_SAMPLE_RATE
+        await self.wait_for(lambda m: m["type"] == "response.done" and m.get("turn") == turn, timeout)
+        return tr
+

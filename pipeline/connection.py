@@ -7,6 +7,7 @@ tests drive the same code with an in-memory connection, so the session limits (`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Callable, Protocol
@@ -89,6 +90,27 @@ async def _refuse_busy(conn: Connection, cfg: SessionConfig, max_sessions: int) 
     try:
         await conn.send(P.pack(msg))
         await conn.close(P.CLOSE_TRY_AGAIN_LATER, "server busy")
+    except ClientGone:
+        pass
+
+
+def session_options(cfg: SessionConfig, query: dict[str, str]) -> SessionConfig:
+    """The server's session settings with what a client chose in the WebSocket URL's query
+    (docs/protocol.md, "Session options"); a bad option raises ValueError."""
+    unknown = set(query) - set(CLIENT_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown session options {sorted(unknown)}; known: {sorted(CLIENT_OPTIONS)}")
+    return dataclasses.replace(cfg, **query) if query else cfg  # replace() validates the values
+
+
+CLIENT_OPTIONS = ("turn_detection",)
+
+
+async def refuse_options(conn: Connection, message: str) -> None:
+    """A handshake with bad session options: one error, close 1008, nothing set up for it."""
+    try:
+        await conn.send(P.pack(P.error(P.E_BAD_OPTION, message)))
+        await conn.close(P.CLOSE_POLICY_VIOLATION, "bad session option")
     except ClientGone:
         pass
 

@@ -37,10 +37,12 @@ E_IDLE_TIMEOUT = "idle_timeout"        # nothing sent either way for idle_timeou
 E_SERVER_BUSY = "server_busy"          # the gateway holds max_sessions sessions; refused before session.ready (1013)
 E_ENGINE_UNAVAILABLE = "engine_unavailable"  # a model replica failed or did not answer in time; the session stays open
 E_INTERNAL = "internal"                # a server fault while handling this session
+E_BAD_OPTION = "bad_option"            # a session option in the URL query is unknown or bad; closed (1008)
 
 CLOSE_NORMAL = 1000
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_INTERNAL_ERROR = 1011
+CLOSE_POLICY_VIOLATION = 1008
 
 
 class ProtocolError(Exception):
@@ -155,6 +157,12 @@ def response_done(turn: int, interrupted: bool, timings: dict[str, float] | None
     if timings:  # optional extension: where the time to first audio went, ms after transcript.final
         msg["timings"] = {k: round(v, 1) for k, v in timings.items()}
     return msg
+
+
+def speech_event(kind: str, audio_ms: float) -> dict:
+    """``speech.started`` / ``speech.stopped`` (v1 extension): the server's VAD, at ``audio_ms`` of
+    this session's microphone audio (ms of audio received before the event's position)."""
+    return {"type": kind, "audio_ms": int(audio_ms)}
 
 
 def error(code: str, message: str) -> dict:

@@ -40,11 +40,15 @@ import numpy as np
 
 from pipeline import protocol as P
 from pipeline.clauses import ClauseSplitter
+from pipeline.listening import Listener
+from pipeline.vad import SAMPLE_RATE as VAD_RATE, VADEvent, VADSettings
 from pipeline.tts.prompt import Segment
 
 log = logging.getLogger(__name__)
 
 USER_SPEAKER = 1
+TURN_DETECTION = ("vad", "manual")
+BARGE_IN = ("vad", "words", "vad+words", "off")
 T = TypeVar("T")
 
 
@@ -83,11 +87,28 @@ class SessionConfig:
     # Audio may lead real time by at most this much (None: send as fast as it is made).
     pace_lead_s: float | None = 0.3
     clause_max_words: int = 12
-    # Barge-in: user speech while a reply plays interrupts it once the recogniser hears words
-    # (a non-empty partial) in audio louder than the noise floor, after the reply's first moments.
-    barge_in: bool = True
-    barge_in_min_rms: float = 0.01  # of int16 full scale; quieter audio never interrupts
-    barge_in_grace_s: float = 0.5  # no interruption during the reply's first audio (echo)
+    # Turn detection (docs/protocol.md, "Turn taking"). "vad": hands-free: the VAD opens a spoken
+    # turn at speech (with vad_preroll_ms before it), and a pause ends it once Smart Turn calls the
+    # turn complete, or after eot_max_silence_ms of silence; turn.end works too. "manual": every
+    # audio frame belongs to a turn, which ends on turn.end (or STT endpointing, or max_turn_s).
+    turn_detection: str = "vad"
+    vad_threshold: float = 0.5  # Silero speech probability of a 32 ms window that counts as speech
+    vad_min_speech_ms: float = 64  # speech.started after this much speech
+    vad_min_silence_ms: float = 200  # speech.stopped after this much silence; Smart Turn runs then
+    vad_preroll_ms: float = 300  # a VAD-opened turn starts this long before the detected onset
+    eot_threshold: float = 0.5  # Smart Turn probability at or above which a pause ends the turn
+    eot_max_silence_ms: float = 1500  # a pause this long ends the turn whatever Smart Turn said
+    vad_events: bool = True  # send speech.started / speech.stopped to the client
+    # The bot's reply, as sent, is cancelled out of the microphone audio the VAD judges (echo.py).
+    echo_cancellation: bool = True
+    # Barge-in: user speech while a reply plays interrupts it. "vad": once the VAD has heard
+    # barge_in_min_speech_ms of speech; "words": once the recogniser hears words (a non-empty
+    # partial) in audio louder than barge_in_min_rms; "vad+words": whichever comes first; "off"
+    # (or false). true means "vad". No interruption in the reply's first barge_in_grace_s.
+    barge_in: bool | str = "vad"
+    barge_in_min_speech_ms: float = 200
+    barge_in_min_rms: float = 0.01  # of int16 full scale; quieter audio never interrupts by words
+    barge_in_grace_s: float = 0.5  # no interruption during the reply's first audio
     # CSM context: the last N turns with audio (user audio encoded once, bot codes as generated).
     context_turns: int = 6
     # Limits (docs/protocol.md, "Session limits"). No frame either way for this long closes the
@@ -116,6 +137,33 @@ class SessionConfig:
                 raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.slot_retry_s < 0:
             raise ValueError(f"SessionConfig.slot_retry_s must be >= 0, got {self.slot_retry_s!r}")
+        if self.turn_detection not in TURN_DETECTION:
+            raise ValueError(f"SessionConfig.turn_detection must be one of {TURN_DETECTION}, got {self.turn_detection!r}")
+        if self.barge_in_mode not in BARGE_IN:
+            raise ValueError(f"SessionConfig.barge_in must be one of {BARGE_IN} or a bool, got {self.barge_in!r}")
+        self.vad_settings  # validates the VAD's threshold and durations
+        for name in ("vad_preroll_ms", "barge_in_min_speech_ms", "barge_in_grace_s", "barge_in_min_rms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SessionConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.eot_threshold <= 1:
+            raise ValueError(f"SessionConfig.eot_threshold must be in [0, 1], got {self.eot_threshold!r}")
+        if not self.eot_max_silence_ms >= self.vad_min_silence_ms:
+            raise ValueError(f"SessionConfig.eot_max_silence_ms ({self.eot_max_silence_ms!r}) must be >= "
+                             f"vad_min_silence_ms ({self.vad_min_silence_ms!r})")
+
+    @property
+    def barge_in_mode(self) -> str:
+        if isinstance(self.barge_in, bool):
+            return "vad" if self.barge_in else "off"
+        return self.barge_in
+
+    @property
+    def vad_settings(self) -> VADSettings:
+        return VADSettings(self.vad_threshold, self.vad_min_speech_ms, self.vad_min_silence_ms)
+
+    @property
+    def uses_vad(self) -> bool:
+        return self.turn_detection == "vad" or "vad" in self.barge_in_mode or self.vad_events
 
 
 @dataclass
@@ -135,9 +183,19 @@ class Session:
         backends: Backends,
         cfg: SessionConfig | None = None,
         session_id: str | None = None,
+        smart_turn=None,
     ):
         self.id = session_id or uuid.uuid4().hex
         self.cfg = cfg or SessionConfig()
+        # Ears (echo cancellation + VAD) when any setting uses the VAD; Smart Turn for hands-free turns.
+        self.ears = Listener(self.cfg.vad_settings, self.cfg.echo_cancellation) if self.cfg.uses_vad else None
+        if smart_turn is None and self.cfg.turn_detection == "vad":
+            from pipeline.smart_turn import shared_model
+
+            smart_turn = shared_model()
+        self.smart_turn = smart_turn
+        self._eot_deadline: float | None = None  # a pause Smart Turn called incomplete ends the turn then
+        self.eot_probabilities: list[float] = []  # Smart Turn's verdicts in this session, for tests and tools
         self._send_raw = send
         self._send_lock = asyncio.Lock()
         self.backends = backends
@@ -193,10 +251,54 @@ class Session:
             await self.send_error(exc.code, exc.message)
             return
         if isinstance(msg, P.AudioIn):
-            await self._on_audio(msg.pcm)
+            await self._on_microphone(msg.pcm)
         elif isinstance(msg, P.TextIn):
             await self._end_turn(typed_text=msg.text)
         else:
+            await self._end_turn()
+
+    async def _on_microphone(self, pcm: np.ndarray) -> None:
+        """One audio frame: the ears hear it first (VAD events go out, speech over a reply barges
+        in); then it goes to the open turn, or opens one (any audio in manual mode, speech with its
+        pre-roll in vad mode); then a pause may end the turn."""
+        if self.ears is None:
+            await self._on_audio(pcm)
+            return
+        events = self.ears.hear(pcm)
+        if self.cfg.vad_events:
+            for ev in events:
+                await self.send(P.speech_event(ev.kind, 1000 * ev.sample / VAD_RATE))
+        if "vad" in self.cfg.barge_in_mode and self.ears.vad.speech_ms >= self.cfg.barge_in_min_speech_ms \
+                and self._reply_interruptible():
+            await self._interrupt(send_done=True)
+        if self.cfg.turn_detection == "manual" or self.listening:
+            await self._on_audio(pcm)
+        else:
+            onset = next((ev.sample for ev in events if ev.kind == "speech.started"), None)
+            if onset is not None:
+                preroll = int(self.cfg.vad_preroll_ms * VAD_RATE / 1000)
+                await self._on_audio(self.ears.since(onset - preroll))
+            elif self.ears.speaking:  # speech goes on after a turn ended mid-speech (turn.end, max_turn_s)
+                await self._on_audio(pcm)
+        if self.cfg.turn_detection == "vad" and self.listening:
+            await self._end_turn_on_pause(events)
+
+    async def _end_turn_on_pause(self, events: list[VADEvent]) -> None:
+        """Hands-free end of turn: at speech.stopped, Smart Turn judges the turn's audio; complete
+        ends the turn now, incomplete waits for speech again or eot_max_silence_ms of silence."""
+        if self.ears.speaking:
+            self._eot_deadline = None
+            return
+        if any(ev.kind == "speech.stopped" for ev in events):
+            audio = np.concatenate(self._turn_audio) if self._turn_audio else np.zeros(0, np.int16)
+            p = await self.smart_turn.probability_async(audio)
+            self.eot_probabilities.append(p)
+            if p >= self.cfg.eot_threshold and not self.ears.speaking:
+                await self._end_turn()
+                return
+            wait_s = (self.cfg.eot_max_silence_ms - self.ears.vad.silence_ms) / 1000
+            self._eot_deadline = time.monotonic() + max(0.0, wait_s)
+        if self._eot_deadline is not None and self.ears.vad.silence_ms >= self.cfg.eot_max_silence_ms:
             await self._end_turn()
 
     async def _on_audio(self, pcm: np.ndarray) -> None:
@@ -330,8 +432,12 @@ class Session:
                 break
 
     def _should_barge_in(self) -> bool:
+        """Barge-in by words: a non-empty partial from loud enough audio."""
+        return "words" in self.cfg.barge_in_mode and self._turn_loud and self._reply_interruptible()
+
+    def _reply_interruptible(self) -> bool:
         reply = self.reply
-        if not self.cfg.barge_in or reply is None or reply.task.done() or not self._turn_loud:
+        if reply is None or reply.task.done():
             return False
         if reply.first_audio_at is None:
             return True  # nothing played yet: the user simply talks on
@@ -392,6 +498,7 @@ class Session:
 
     def _drop_turn(self) -> None:
         self.listening = False
+        self._eot_deadline = None
         self.partial = ""
         self._turn_audio = []
         self._turn_samples = 0
@@ -400,14 +507,15 @@ class Session:
     # ------------------------------------------------------------------ deadlines
     def next_deadline(self) -> float:
         """The monotonic time at which :meth:`check_deadlines` next has work: the open turn's
-        ``max_turn_s`` or the idle limit. The receive loop waits for a frame until then."""
-        idle_at = self._idle_deadline()
-        turn_at = self._turn_deadline()
-        return idle_at if turn_at is None else min(idle_at, turn_at)
+        ``max_turn_s``, the end of a hands-free pause, or the idle limit. The receive loop waits
+        for a frame until then."""
+        return min(t for t in (self._idle_deadline(), self._turn_deadline(), self._eot_deadline) if t is not None)
 
     async def check_deadlines(self) -> bool:
         """End a spoken turn that has held its slot past ``max_turn_s`` (a client that stopped
         sending mid-turn); return True once nothing went either way for ``idle_timeout_s``."""
+        if self._eot_deadline is not None and time.monotonic() >= self._eot_deadline:
+            await self._end_turn()  # a hands-free client went quiet after a pause: the turn is over
         turn_at = self._turn_deadline()
         if turn_at is not None and time.monotonic() >= turn_at:
             await self._end_long_turn()
@@ -428,7 +536,14 @@ class Session:
         reply, self.reply = self.reply, None
         if reply is None or reply.task.done():
             return
+        # Once cancelled, the reply task sends nothing more (its next await raises), so the client
+        # hears of the interruption at once, not after the engines have let go of its work.
         reply.task.cancel()
+        if self.ears is not None:
+            self.ears.stop_playback()  # the client drops what it has not played
+        if send_done and not reply.done_sent:
+            reply.done_sent = True
+            await self.send(P.response_done(reply.turn, interrupted=True))
         try:
             await reply.task
         except asyncio.CancelledError:
@@ -438,9 +553,6 @@ class Session:
         self._remember_bot_turn(reply, " ".join(reply.spoken))
         if self.cfg.on_interrupt:
             self.cfg.on_interrupt()
-        if send_done and not reply.done_sent:
-            reply.done_sent = True
-            await self.send(P.response_done(reply.turn, interrupted=True))
 
     def _remember_bot_turn(self, reply: _Reply, said: str) -> None:
         """History and TTS context keep what was actually said (and its generated codes)."""
@@ -549,6 +661,8 @@ class Session:
                     self.cfg.on_chunk_gap(now - last_at)
                 last_at = now
                 await self.send(P.audio_out(pcm, reply.turn, seq))
+                if self.ears is not None:
+                    self.ears.played(pcm)
                 reply.codes.append(codes)
                 seq += 1
                 audio_s += len(pcm) / P.OUTPUT_SAMPLE_RATE

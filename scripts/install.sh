@@ -26,8 +26,14 @@ $pip install -q -e ".[${EXTRAS:-dev}]"
 # moshi without its declared pins (torch<2.10, numpy<2.3, safetensors<0.8, hub<1.0): its Mimi
 # runs on the newer versions installed above, and its runtime needs are our own dependencies.
 $pip install -q --no-deps "moshi==0.2.13"
+# pipecat-ai for Smart Turn v3.2 (its ONNX model and Whisper feature code), also without its pins:
+# it wants protobuf<7, which would break Ray (protobuf 7); what its Smart Turn modules import
+# (onnxruntime, loguru, soxr, wait_for2, pydantic, numpy) is in our own dependencies.
+$pip install -q --no-deps "pipecat-ai==1.14.0"
 .venv/bin/python - <<'PY'
 import moshi.models.loaders, torch, numpy, nemo, ray, transformers  # noqa: F401 - import check
+from pipeline.listening import warm_listening
+warm_listening()  # Silero VAD and Smart Turn load with their real weights
 print(f"installed: torch {torch.__version__}, numpy {numpy.__version__}, ray {ray.__version__}, "
       f"nemo {nemo.__version__}, transformers {transformers.__version__}")
 PY

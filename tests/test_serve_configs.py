@@ -43,3 +43,16 @@ def test_unknown_settings_are_refused():
         configs(AppArgs(stt={"num_slot": 4}))
     with pytest.raises(ValueError, match="unknown session settings"):
         configs(AppArgs(session={"idle_timeout": 3}))
+
+
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
+def test_served_profiles_are_hands_free(name):
+    cfg = yaml.safe_load((ROOT / name).read_text())
+    session = configs(AppArgs(**cfg["applications"][0]["args"]))["session"]
+    assert session["turn_detection"] == "vad" and session["barge_in"] == "vad"
+
+
+def test_bad_turn_taking_settings_stop_the_start():
+    for bad in ({"turn_detection": "push"}, {"barge_in": "loud"}, {"vad_threshold": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            configs(AppArgs(session=bad))

@@ -16,9 +16,16 @@ from pipeline.connection import SessionRegistry, serve_connection
 from pipeline.llm.config import LLMConfig
 from pipeline.runtime import InferenceThread
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService, load_stt
-from pipeline.session import Session, SessionConfig
+from pipeline.session import Session
+from pipeline.session import SessionConfig as _SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
+
+
+def SessionConfig(**settings) -> _SessionConfig:
+    """Push-to-talk sessions: these tests speak synthetic audio (no VAD calls it speech) and end
+    turns with turn.end; barge-in by recognised words. Hands-free turns: test_turn_taking.py."""
+    return _SessionConfig(**{"turn_detection": "manual", "barge_in": "words", **settings})
 
 
 @pytest.fixture(scope="module")

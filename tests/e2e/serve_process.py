@@ -12,7 +12,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8000
-URL = f"ws://127.0.0.1:{PORT}/v1/conversation"
+HANDS_FREE_URL = f"ws://127.0.0.1:{PORT}/v1/conversation"  # the served default: turns by VAD + Smart Turn
+# Push-to-talk sessions (a client option, docs/protocol.md): most tests speak synthetic audio,
+# which no VAD calls speech, and end each turn with turn.end.
+URL = f"{HANDS_FREE_URL}?turn_detection=manual"
 
 
 def healthz() -> int | None:

@@ -13,10 +13,11 @@ import pytest
 import websockets
 import yaml
 
+from load import speech
 from load.client import Conversation, TurnResult
 from pipeline import protocol as P
 from pipeline.audio import speech_like
-from tests.e2e.serve_process import PORT, ROOT, URL, healthz
+from tests.e2e.serve_process import HANDS_FREE_URL, PORT, ROOT, URL, healthz
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -325,3 +326,37 @@ def test_server_busy_over_max_sessions(server):
     assert close_code == P.CLOSE_TRY_AGAIN_LATER
     check_turn_order(tr)
     assert ready["type"] == "session.ready"
+
+
+HANDS_FREE = ["Please turn off the lights in the kitchen.", "What is the weather like in London today?",
+              "I would like to book a flight to Paris on Friday.", "Play some music in the living room."]
+
+
+@pytest.mark.skipif(not speech.available(), reason="needs espeak-ng (scripts/install.sh --system)")
+def test_hands_free_conversation_without_turn_end(server):
+    """The served default: four spoken turns, real-time microphone audio with silence between,
+    no turn.end. The VAD opens each turn, Smart Turn ends it, each is answered in full; the
+    client hears speech.started / speech.stopped for each."""
+    clips = [speech.padded(speech.espeak(t), 0.3, 0.0) for t in HANDS_FREE]
+
+    async def go():
+        async with Conversation(HANDS_FREE_URL) as conv:
+            results = [await conv.say_hands_free(pcm, speech_end=len(pcm)) for pcm in clips]
+            return conv, results
+
+    conv, results = run(go())
+    check_served_in_full([e for e in conv.errors], results)
+    assert all(r.final_text for r in results)
+
+
+def test_bad_session_option_is_refused(server):
+    async def go():
+        async with websockets.connect(HANDS_FREE_URL + "?turn_detection=sometimes") as ws:
+            msg = P.unpack(await asyncio.wait_for(ws.recv(), 30))
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 30)
+            return msg, ws.close_code
+
+    msg, code = run(go())
+    assert msg["type"] == "error" and msg["code"] == P.E_BAD_OPTION and "turn_detection" in msg["message"]
+    assert code == P.CLOSE_POLICY_VIOLATION

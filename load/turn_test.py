@@ -1,0 +1,162 @@
+"""Turn-taking measurement against a running server (hands-free turns, barge-in, echo).
+
+    python -m load.turn_test [--url ws://127.0.0.1:8000/v1/conversation] [--rounds 10] [--out DIR]
+
+Four phases, one session each, all in real time with espeak-ng speech (load/speech.py):
+- hands-free: sentences with 0.3 s of silence before, no turn.end; per turn the voice-to-voice
+  time (the last sample of speech, as spoken, to the first reply audio received);
+- cut-offs: "I would like to book a flight to ... Paris on Friday." with a 500 ms pause, `rounds`
+  times: each must be one turn, never two;
+- barge-in: a reply plays, a person starts speaking over it after ~1 s of its audio; speech onset
+  (as spoken) to ``response.done interrupted``;
+- echo: the client plays the reply on a speakerphone (its audio back into the microphone at
+  -10 dB, 150 ms later, load/speakerphone.py), `rounds` replies: interruptions counted (want 0);
+  then the same with a person speaking over the echo (want each interrupted, and how fast).
+Prints a table and one JSON line (also written to OUT/turn_test.json).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from load import speech
+from load.client import Conversation
+from load.speakerphone import Speakerphone
+from pipeline import protocol as P
+
+SENTENCES = ["Please turn off the lights in the kitchen.", "What is the weather like in London today?",
+             "Play some music in the living room.", "I would like to book a flight to Paris on Friday."]
+PAUSED = (["I would like to book a flight to", "Paris on Friday."], 0.5)
+PERSON = "Stop, wait a moment please."
+RATE = P.INPUT_SAMPLE_RATE
+
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) if xs else None
+
+
+async def hands_free(url: str, clips: list[np.ndarray]) -> tuple[list[float], int]:
+    """Voice-to-voice (ms) per clip, and how many turns the server made of them."""
+    async with Conversation(url) as conv:
+        v2v = []
+        for pcm in clips:
+            tr = await conv.say_hands_free(pcm, speech_end=len(pcm))
+            if tr.time_to_first_audio is not None:
+                v2v.append(1000 * tr.time_to_first_audio)
+        await asyncio.sleep(2.0)  # let a split-off second half (a cut) show up as a turn of its own
+        return v2v, len([t for t in conv.turns.values() if t.final_at])
+
+
+async def _stream_mic(conv: Conversation, t0: float, seconds: float, frame_of, until=None) -> None:
+    """Microphone frames in real time from ``t0``: ``frame_of(k, n)`` gives samples [k, k + n)."""
+    step = RATE // 50
+    for k in range(0, int(seconds * RATE), step):
+        await asyncio.sleep(max(0.0, t0 + (k + step) / RATE - time.monotonic()))
+        await conv.send(P.client_audio(np.clip(frame_of(k, step), -32768, 32767).astype(np.int16)))
+        if until is not None and until():
+            return
+
+
+async def reply_with_mic(url: str, person: np.ndarray | None, echo: bool, seconds: float = 6.0) -> dict:
+    """A typed turn's reply plays (on a speakerphone if ``echo``); with ``person``, they start to
+    speak after ~1 s of reply audio. Returns whether the reply was interrupted and how fast."""
+    async with Conversation(url) as conv:
+        t0 = time.monotonic()
+        phone = Speakerphone(t0)
+        turn = await conv.send_text_turn("Tell me a long story about the sea, please.")
+        person_at: list[int] = []
+
+        def played_s() -> float:
+            tr = conv.turns.get(turn)
+            return sum(len(c) for c in tr.chunks) / P.OUTPUT_SAMPLE_RATE if tr else 0.0
+
+        fed = {"n": 0}
+
+        def frame_of(k: int, n: int) -> np.ndarray:
+            tr = conv.turns.get(turn)
+            if tr is not None:  # new chunks go on the speaker as they arrived
+                for i in range(fed["n"], len(tr.chunks)):
+                    phone.receive(tr.chunks[i], tr.chunk_times[i])
+                fed["n"] = len(tr.chunks)
+                if tr.done_at and tr.interrupted:
+                    phone.flush(tr.done_at)
+            x = phone.echo(k, n) * 32768.0 if echo else np.zeros(n, np.float32)
+            if person is not None:
+                if not person_at and played_s() >= 1.0:
+                    person_at.append(k)
+                if person_at:
+                    seg = person[k - person_at[0]:k - person_at[0] + n]
+                    x[: len(seg)] += seg
+            return x
+
+        def done() -> bool:
+            tr = conv.turns.get(turn)
+            return bool(tr and tr.done_at)
+
+        await _stream_mic(conv, t0, seconds, frame_of, until=done)
+        if not done():
+            await conv.wait_for(lambda m: m["type"] == "response.done" and m.get("turn") == turn, 60)
+        tr = conv.turns[turn]
+        out = {"interrupted": bool(tr.interrupted), "audio_s": played_s()}
+        if person_at and tr.interrupted:
+            onset_at = t0 + person_at[0] / RATE  # the person's first sample, as spoken
+            out["barge_in_ms"] = 1000 * (tr.done_at - onset_at)
+        return out
+
+
+async def main_async(args) -> dict:
+    clips = [speech.padded(speech.espeak(t), 0.3, 0.0) for t in SENTENCES]
+    paused = speech.padded(speech.with_pauses(*PAUSED), 0.3, 0.0)
+    person = speech.espeak(PERSON).astype(np.float32)
+    v2v, turns = await hands_free(args.url, clips * 2)
+    _, paused_turns = await hands_free(args.url, [paused] * args.rounds)
+    barge = [await reply_with_mic(args.url, person, echo=False) for _ in range(args.rounds)]
+    echo_only = [await reply_with_mic(args.url, None, echo=True) for _ in range(args.rounds)]
+    echo_person = [await reply_with_mic(args.url, person, echo=True) for _ in range(args.rounds)]
+    b_ms = [r["barge_in_ms"] for r in barge if "barge_in_ms" in r]
+    e_ms = [r["barge_in_ms"] for r in echo_person if "barge_in_ms" in r]
+    return {
+        "voice_to_voice_ms": {"n": len(v2v), "p50": _pct(v2v, 50), "p95": _pct(v2v, 95), "max": max(v2v, default=None)},
+        "hands_free_turns": {"clips": len(clips) * 2, "turns": turns},
+        "paused_sentence": {"runs": args.rounds, "turns": paused_turns, "cut": paused_turns - args.rounds},
+        "barge_in_ms": {"n": len(b_ms), "of": len(barge), "p50": _pct(b_ms, 50), "p95": _pct(b_ms, 95), "max": max(b_ms, default=None)},
+        "echo_false_barge_ins": {"replies": len(echo_only), "interrupted": sum(r["interrupted"] for r in echo_only),
+                                 "reply_audio_s_median": _pct([r["audio_s"] for r in echo_only], 50)},
+        "barge_in_over_echo_ms": {"n": len(e_ms), "of": len(echo_person), "p50": _pct(e_ms, 50), "max": max(e_ms, default=None)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="ws://127.0.0.1:8000/v1/conversation")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    res = asyncio.run(main_async(args))
+    rows = [
+        ("voice-to-voice p50 / p95 / max (ms)", "{p50:.0f} / {p95:.0f} / {max:.0f} over {n} turns".format(**res["voice_to_voice_ms"])),
+        ("hands-free clips -> turns", "{clips} -> {turns}".format(**res["hands_free_turns"])),
+        ("paused sentence: runs cut", "{cut} of {runs}".format(**res["paused_sentence"])),
+        ("barge-in p50 / p95 / max (ms)", "{p50:.0f} / {p95:.0f} / {max:.0f} ({n} of {of} interrupted)".format(**res["barge_in_ms"])
+         if res["barge_in_ms"]["n"] else "none interrupted"),
+        ("echo only: replies interrupted", "{interrupted} of {replies}".format(**res["echo_false_barge_ins"])),
+        ("person over echo: barge-in p50 / max (ms)", "{p50:.0f} / {max:.0f} ({n} of {of})".format(**res["barge_in_over_echo_ms"])
+         if res["barge_in_over_echo_ms"]["n"] else "none interrupted"),
+    ]
+    w = max(len(r[0]) for r in rows)
+    for name, val in rows:
+        print(f"{name:<{w}}  {val}")
+    line = json.dumps({"turn_test": res})
+    print(line)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "turn_test.json").write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""A session's ears: echo cancellation, voice activity, and the recent audio before speech.
+
+:class:`Listener` takes every microphone frame of one session. The echo canceller removes the
+bot's own reply (what the session sent, laid on the microphone clock) and the VAD judges what is
+left, so the bot's voice coming back through a speakerphone is not taken for the user. The raw
+audio of the last few seconds is kept, so a turn that the VAD opens can start a little before
+the speech onset it detected (``vad_preroll_ms``); the recogniser gets raw audio.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.vad import SAMPLE_RATE, SileroVAD, VADEvent, VADSettings, VoiceActivity
+
+RECENT_S = 3.0  # raw audio kept: the longest frame (1 s), the VAD's onset delay and the pre-roll fit
+
+
+class Listener:
+    def __init__(self, vad: VADSettings, echo_cancellation: bool, model: SileroVAD | None = None):
+        self.vad = VoiceActivity(vad, model)
+        if echo_cancellation:
+            from pipeline.echo import EchoCanceller
+
+            self.echo: "EchoCanceller | None" = EchoCanceller()
+        else:
+            self.echo = None
+        self._cap = int(RECENT_S * SAMPLE_RATE)
+        self._recent = np.zeros(0, np.int16)
+        self.position = 0  # microphone samples received
+
+    def hear(self, pcm: np.ndarray) -> list[VADEvent]:
+        """One microphone frame (int16 16 kHz): the VAD's events, in order."""
+        self.position += len(pcm)
+        self._recent = np.concatenate([self._recent, pcm])[-self._cap:]
+        return self.vad.push(self.echo.process(pcm) if self.echo else pcm)
+
+    def since(self, sample: int) -> np.ndarray:
+        """The raw audio from stream position ``sample`` to now (as much of it as is kept)."""
+        n = self.position - max(0, sample)
+        return self._recent[-n:] if n > 0 else self._recent[:0]
+
+    @property
+    def speaking(self) -> bool:
+        return self.vad.speaking
+
+    def played(self, pcm_24k: np.ndarray) -> None:
+        if self.echo:
+            self.echo.played(pcm_24k)
+
+    def stop_playback(self) -> None:
+        if self.echo:
+            self.echo.stop_playback()
+
+
+def warm_listening() -> None:
+    """Load the process's VAD and Smart Turn models now (a server does this before it is ready)."""
+    from pipeline import smart_turn, vad
+
+    vad.shared_model()
+    smart_turn.shared_model()

@@ -1,0 +1,334 @@
+"""Turn taking with the real small models: Silero VAD, Smart Turn v3.2, WebRTC echo cancellation,
+and hands-free sessions on the tiny engines (no Ray). Test speech is made by espeak-ng here,
+so where it starts and ends is known to the sample (load/speech.py)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from load import speech
+from load.speakerphone import Speakerphone
+from pipeline import protocol as P
+from pipeline.echo import EchoCanceller
+from pipeline.listening import Listener
+from pipeline.llm.config import LLMConfig
+from pipeline.services import LocalBackends
+from pipeline.session import Session, SessionConfig
+from pipeline.smart_turn import shared_model as smart_turn
+from pipeline.stt.config import STTConfig
+from pipeline.tts.config import TTSConfig
+from pipeline.vad import VADSettings, VoiceActivity
+
+pytestmark = pytest.mark.skipif(not speech.available(), reason="needs espeak-ng (scripts/install.sh --system)")
+
+RATE = 16_000
+COMPLETE = "I would like to book a flight to Paris on Friday."
+HALF = "I would like to book a flight to"  # Smart Turn: 0.01-0.02 (measured), a pause mid-sentence
+
+
+@pytest.fixture(scope="module")
+def sentence():
+    return speech.espeak(COMPLETE)
+
+
+def _events(pcm: np.ndarray, frame: int = 320, **settings) -> list:
+    vad = VoiceActivity(VADSettings(**settings))
+    out = []
+    for i in range(0, len(pcm), frame):
+        out += vad.push(pcm[i:i + frame])
+    return out
+
+
+# ----------------------------------------------------------------------------- the models
+def test_vad_probabilities_match_silero_own_wrapper(sentence):
+    """Our per-stream state feeding gives exactly the probabilities silero-vad's own OnnxWrapper gives."""
+    import torch
+    from silero_vad import load_silero_vad
+
+    audio = speech.padded(sentence, 0.3, 0.3)
+    ref = load_silero_vad(onnx=True)
+    x = torch.from_numpy(audio.astype(np.float32) / 32768.0)
+    expected = [ref(x[i:i + 512], RATE).item() for i in range(0, len(x) - 511, 512)]
+    vad = VoiceActivity(VADSettings())
+    got = []
+    for i in range(0, len(audio) - 511, 512):
+        vad.push(audio[i:i + 512])
+        got.append(vad.last_prob)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+    assert max(got) > 0.9 and min(got) < 0.1  # speech and silence are both in it
+
+
+@pytest.mark.parametrize("frame", [160, 320, 512, 1600])
+def test_vad_events_at_known_speech_boundaries(sentence, frame):
+    before, after = 0.7, 1.0
+    events = _events(speech.padded(sentence, before, after), frame=frame)
+    assert [e.kind for e in events] == ["speech.started", "speech.stopped"]
+    onset, end = before * RATE, before * RATE + len(sentence)
+    assert abs(events[0].sample - onset) <= 0.064 * RATE
+    assert abs(events[1].sample - end) <= 0.064 * RATE
+
+
+def test_vad_pause_shorter_than_min_silence_is_one_speech():
+    clip = speech.with_pauses([HALF, "Paris on Friday."], pause_s=0.5)
+    assert [e.kind for e in _events(speech.padded(clip, 0.5, 1.0), min_silence_ms=700)] == \
+        ["speech.started", "speech.stopped"]
+    assert [e.kind for e in _events(speech.padded(clip, 0.5, 1.0), min_silence_ms=200)] == \
+        ["speech.started", "speech.stopped"] * 2
+
+
+def test_vad_ignores_silence_and_noise():
+    rng = np.random.default_rng(0)
+    assert _events(np.zeros(3 * RATE, np.int16)) == []
+    assert _events((rng.standard_normal(3 * RATE) * 300).astype(np.int16)) == []
+
+
+def test_smart_turn_half_sentence_incomplete_whole_complete(sentence):
+    model = smart_turn()
+    whole = model.probability(speech.padded(sentence, 0.3, 0.2))
+    half = model.probability(speech.padded(speech.espeak(HALF), 0.3, 0.2))
+    assert whole > 0.5 > half
+
+
+def test_smart_turn_equals_pipecat_analyzer(sentence):
+    """The same number pipecat's own LocalSmartTurnAnalyzerV3 computes on the same audio."""
+    from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
+
+    ref = LocalSmartTurnAnalyzerV3()
+    for clip in (speech.padded(sentence, 0.3, 0.2), speech.padded(speech.espeak(HALF), 0.3, 0.2),
+                 speech.padded(np.tile(sentence, 4), 0.0, 0.2)):  # over 8 s: the last 8 s count
+        expected = ref._predict_endpoint(clip.astype(np.float32) / 32768.0)["probability"]
+        assert smart_turn().probability(clip) == pytest.approx(expected, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- echo
+def _speakerphone(reply_16k: np.ndarray, delay_s: float = 0.15, gain_db: float = -10) -> np.ndarray:
+    d = int(delay_s * RATE)
+    return np.concatenate([np.zeros(d), reply_16k * 10 ** (gain_db / 20)])
+
+
+def _listen(mic: np.ndarray, reply_24k: np.ndarray | None, echo_cancellation: bool, frame: int = 320):
+    """A listener that sent ``reply_24k`` (as one reply, at the start) and then heard ``mic``."""
+    ears = Listener(VADSettings(), echo_cancellation=echo_cancellation)
+    if reply_24k is not None:
+        for i in range(0, len(reply_24k), 1920):
+            ears.played(reply_24k[i:i + 1920])
+    events = []
+    for i in range(0, len(mic), frame):
+        events += ears.hear(mic[i:i + frame].astype(np.int16))
+    return events
+
+
+@pytest.fixture(scope="module")
+def bot_reply():
+    """The bot's reply: espeak speech (so a VAD hears it as speech), at 24 kHz as the TTS sends it."""
+    from pipeline.audio import float_to_int16, int16_to_float, resample
+
+    reply_16k = speech.padded(speech.espeak("Hello there, I am your assistant and I can tell you about the "
+                                            "weather and the trains to Lyon today."), 0.0, 0.5)
+    return reply_16k, float_to_int16(resample(int16_to_float(reply_16k), RATE, 24_000))
+
+
+def test_echo_of_the_reply_is_not_speech(bot_reply):
+    reply_16k, reply_24k = bot_reply
+    mic = np.clip(_speakerphone(reply_16k.astype(np.float64)), -32768, 32767)
+    assert _listen(mic, reply_24k, echo_cancellation=False)  # without it, the echo is speech
+    assert _listen(mic, reply_24k, echo_cancellation=True) == []
+
+
+def test_person_over_the_echo_is_still_heard(bot_reply):
+    reply_16k, reply_24k = bot_reply
+    person = speech.espeak("Stop, wait a moment please.")
+    mic = _speakerphone(reply_16k.astype(np.float64))
+    onset = 2 * RATE
+    mic[onset:onset + len(person)] += person
+    events = _listen(np.clip(mic, -32768, 32767), reply_24k, echo_cancellation=True)
+    started = [e.sample for e in events if e.kind == "speech.started"]
+    assert started and 0 <= started[0] - onset <= 0.4 * RATE
+
+
+def test_echo_canceller_passes_audio_untouched_when_nothing_plays(sentence):
+    out = EchoCanceller().process(sentence)
+    n = len(sentence) // 160 * 160
+    np.testing.assert_array_equal(out, sentence[:n])
+
+
+# ----------------------------------------------------------------------------- sessions
+@pytest.fixture(scope="module")
+def engines():
+    return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
+                               LLMConfig.tiny(token_delay_s=0.02, max_new_tokens=40), TTSConfig.tiny())
+
+
+class Recorder:
+    def __init__(self):
+        self.msgs: list[dict] = []
+        self._arrived = asyncio.Condition()
+
+    async def __call__(self, frame: bytes) -> None:
+        await self.record(P.unpack(frame))
+
+    async def record(self, msg: dict) -> None:
+        self.msgs.append(msg)
+        async with self._arrived:
+            self._arrived.notify_all()
+
+    def of(self, kind: str) -> list[dict]:
+        return [m for m in self.msgs if m["type"] == kind]
+
+    async def wait(self, pred, timeout: float = 60) -> None:
+        async with self._arrived:
+            await asyncio.wait_for(self._arrived.wait_for(lambda: pred(self)), timeout)
+
+
+async def _stream(s: Session, pcm: np.ndarray, frame: int = 320) -> None:
+    for i in range(0, len(pcm), frame):
+        await s.on_frame(P.client_audio(pcm[i:i + frame]))
+
+
+def test_hands_free_turns_without_turn_end(engines, sentence):
+    """Two utterances, the first with a 500 ms pause mid-sentence, no turn.end: two turns (the
+    pause does not cut the first), each answered; the silence between them takes no turn."""
+    paused = speech.with_pauses([HALF, "Paris on Friday."], pause_s=0.5)
+    second = speech.espeak("Please turn off the lights in the kitchen.")
+    audio = np.concatenate([speech.padded(paused, 0.5, 1.0), speech.padded(second, 0.3, 1.0)])
+
+    async def go():
+        rec = Recorder()
+        s = Session(rec, engines, SessionConfig(pace_lead_s=None, barge_in="off"))
+        await s.start()
+        await _stream(s, audio)
+        await rec.wait(lambda r: len(r.of("response.done")) == 2)
+        await s.close()
+        return rec, s
+
+    rec, s = asyncio.run(go())
+    finals = rec.of("transcript.final")
+    assert [m["turn"] for m in finals] == [1, 2]
+    assert [m["turn"] for m in rec.of("response.done")] == [1, 2]
+    kinds = [m["type"] for m in rec.msgs if m["type"].startswith("speech.")]
+    assert kinds == ["speech.started", "speech.stopped"] * 3  # the pause, the first end, the second end
+    assert s.eot_probabilities[0] < 0.5  # at the pause: incomplete, so the turn went on
+    assert all(p >= 0.5 for p in s.eot_probabilities[1:])
+
+
+def test_hands_free_silence_is_no_turn_and_takes_no_slot(engines):
+    async def go():
+        rec = Recorder()
+        s = Session(rec, engines, SessionConfig())
+        await s.start()
+        await _stream(s, np.zeros(3 * RATE, np.int16))
+        slots = engines.stt.stats()["active_streams"]
+        await s.close()
+        return rec, slots
+
+    rec, slots = asyncio.run(go())
+    assert [m["type"] for m in rec.msgs] == ["session.ready"] and slots == 0
+
+
+def test_incomplete_pause_ends_the_turn_after_max_silence(engines):
+    """A half sentence and then silence: Smart Turn says incomplete, the turn ends anyway once the
+    silence reaches eot_max_silence_ms, also when the client stops sending (the wall-clock side)."""
+    half = speech.padded(speech.espeak(HALF), 0.5, 0.4)
+
+    async def go(streamed_silence: bool):
+        rec = Recorder()
+        s = Session(rec, engines, SessionConfig(pace_lead_s=None, eot_max_silence_ms=800))
+        await s.start()
+        await _stream(s, half)
+        assert not rec.of("transcript.final")  # 400 ms of silence: past speech.stopped, under 800 ms
+        if streamed_silence:
+            await _stream(s, speech.silence(0.6))
+        else:
+            await asyncio.sleep(max(0.0, s.next_deadline() - time.monotonic()))  # the pause's deadline itself
+            await s.check_deadlines()
+        await s.close()
+        return rec, s
+
+    for streamed in (True, False):
+        rec, s = asyncio.run(go(streamed))
+        assert s.eot_probabilities and s.eot_probabilities[0] < 0.5
+        assert [m["turn"] for m in rec.of("transcript.final")] == [1]
+
+
+class SpeechVoice:
+    """The tiny engines, with the reply's audio replaced by espeak speech (the tiny TTS's random
+    weights do not sound like speech, so its echo would prove nothing): a reply a VAD hears."""
+
+    def __init__(self, inner, voice_24k: np.ndarray):
+        self.inner, self.voice, self.at = inner, voice_24k, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def tts_stream(self, text, context):
+        async for pcm, codes in self.inner.tts_stream(text, context):
+            piece = self.voice[self.at:self.at + len(pcm)]
+            self.at = (self.at + len(pcm)) % (len(self.voice) - len(pcm))
+            yield piece, codes
+
+
+class PhoneRecorder(Recorder):
+    """A client on a speakerphone: received audio plays and comes back into its microphone."""
+
+    def __init__(self, phone: Speakerphone):
+        super().__init__()
+        self.phone = phone
+
+    async def __call__(self, frame: bytes) -> None:
+        msg = P.unpack(frame)
+        await self.record(msg)
+        if msg["type"] == "audio":
+            self.phone.receive(np.frombuffer(msg["pcm"], "<i2"), time.monotonic())
+        elif msg["type"] == "response.done" and msg["interrupted"]:
+            self.phone.flush(time.monotonic())
+
+
+@pytest.mark.parametrize("case", ["echo", "echo_without_canceller", "person_over_echo"])
+def test_barge_in_by_voice_and_not_by_echo(engines, bot_reply, case):
+    """Real time, speakerphone client: the reply's echo (-10 dB, 150 ms) does not interrupt it
+    while the echo canceller runs (and does without it: the check can fail); a person speaking
+    over the reply does interrupt it."""
+    person = speech.espeak("Stop, wait a moment please.")
+    voice = SpeechVoice(engines, bot_reply[1])
+
+    async def go():
+        t0 = time.monotonic()
+        phone = Speakerphone(t0)
+        rec = PhoneRecorder(phone)
+        cfg = SessionConfig(barge_in_grace_s=0.0, echo_cancellation=case != "echo_without_canceller")
+        s = Session(rec, voice, cfg)
+        await s.start()
+        await s.on_frame(P.client_text("Tell me a long story."))
+        person_at = None
+        for k in range(0, 4 * RATE, 320):  # 4 s of microphone, in real time
+            await asyncio.sleep(max(0.0, t0 + k / RATE - time.monotonic()))
+            mic = phone.echo(k, 320) * 32768.0
+            if case == "person_over_echo":
+                if person_at is None and len(rec.of("audio")) > 12:  # ~1 s of reply has been sent
+                    person_at = k
+                if person_at is not None:
+                    mic += np.pad(person[k - person_at:k - person_at + 320], (0, 320))[:320]
+            await s.on_frame(P.client_audio(np.clip(mic, -32768, 32767).astype(np.int16)))
+        await s.close()
+        return rec
+
+    rec = asyncio.run(go())
+    interrupted = [m for m in rec.of("response.done") if m["interrupted"]]
+    assert rec.of("audio")  # the reply did play
+    if case == "echo":
+        assert interrupted == []
+    else:
+        assert interrupted[:1] == [{"type": "response.done", "turn": 1, "interrupted": True}]
+
+
+def test_turn_taking_settings_are_validated():
+    for bad in ({"turn_detection": "auto"}, {"barge_in": "loud"}, {"vad_threshold": 1.5},
+                {"vad_min_silence_ms": -1}, {"eot_threshold": 2}, {"eot_max_silence_ms": 100},
+                {"barge_in_min_speech_ms": -5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SessionConfig(**bad)
+    assert SessionConfig(barge_in=True).barge_in_mode == "vad"
+    assert SessionConfig(barge_in=False).barge_in_mode == "off"
