@@ -10,17 +10,40 @@ the chunk was sent) and runs WebRTC's echo canceller (AEC3, through the ``liveki
 then the microphone block. AEC3 estimates the rest of the delay (the client's jitter buffer, the
 room) itself; the reference is early, never late, which is what it needs.
 
-Cost: ~7 ms of CPU per second of microphone audio per session (docs/turn-taking.md).
+AEC3 has to learn the echo path before it lets speech through: with a reply playing and no echo
+at all (a headset), it held back a person's speech for ~1 s at the start of a session (a VAD
+onset 1016 ms late against 120 ms without it, tests/test_turn_taking.py). So the canceller also
+tells whether there is an echo to cancel (:attr:`echo_heard`): every 250 ms while the reply
+plays, the normalised cross-correlation of the last second of microphone audio with the
+reference, over delays of 0-500 ms. A peak over ``ECHO_CORRELATION`` means the microphone hears
+the reply (from then on, for the session, the VAD judges the cancelled audio); 0.5 s of loud
+reply audio with no such peak means it does not (the VAD judges the raw audio, as fast as with no
+canceller). Until either is known the cancelled audio is used.
+
+Cost: ~7 ms of CPU per second of microphone audio per session while a reply plays, plus ~2 ms per
+correlation (docs/turn-taking.md).
 """
 from __future__ import annotations
 
 import numpy as np
+from scipy.signal import fftconvolve
 
 from pipeline.audio import int16_to_float, float_to_int16, resample
 
 RATE = 16_000
 BLOCK = 160  # 10 ms: the block size the module takes
 REFERENCE_S = 20.0  # reply audio laid ahead on the microphone clock, at most (bounded)
+WINDOW = RATE  # microphone audio correlated with the reference (1 s)
+MAX_DELAY = RATE // 2  # delays looked at: 0-500 ms after the reference
+CHECK_EVERY = RATE // 4
+# Peak normalised correlation that means "the microphone hears the reply". Measured on espeak-ng
+# speech (tests/test_turn_taking.py): a -10 dB echo alone 0.98-1.0; a person as loud as the
+# reply on top of it 0.27-0.54; no echo, a person talking (the same espeak voice as the reply,
+# so the worst case for chance correlation) 0.00-0.16.
+ECHO_CORRELATION = 0.25
+QUIET_MIC = 0.001  # RMS (of full scale): a microphone this quiet while the reply is loud hears no echo
+LOUD_REFERENCE = 0.005  # RMS (of full scale) of reference audio that should echo audibly
+NO_ECHO_AFTER = RATE // 2  # samples of loud reference with no echo heard before trusting the raw audio
 
 
 class EchoCanceller:
@@ -36,6 +59,11 @@ class EchoCanceller:
         self._pending = np.zeros(0, np.int16)  # microphone samples short of a whole block
         self._out_pos = 0  # mic position of the next sample processed
         self.active_until = 0  # mic position after which no reply audio plays: below it, blocks go through AEC
+        self._raw = np.zeros(WINDOW, np.float32)  # the last second of microphone audio processed
+        self._since_check = 0
+        self._loud_checked = 0  # samples of loud reference the echo check has looked at
+        self.echo_heard = False  # the microphone has been heard carrying the reply (sticky)
+        self.last_correlation = 0.0
 
     @property
     def mic_position(self) -> int:
@@ -66,6 +94,33 @@ class EchoCanceller:
             out[lo - pos: hi - pos] = self._ref[np.arange(lo, hi) % self._cap]
         return out
 
+    @property
+    def use_cancelled(self) -> bool:
+        """Whether the VAD should judge the cancelled audio (an echo was heard, or it is not yet
+        known that there is none) rather than the raw audio."""
+        return self.echo_heard or self._loud_checked < NO_ECHO_AFTER
+
+    def _check_echo(self) -> None:
+        end = self._out_pos
+        ref = self._reference(end - WINDOW - MAX_DELAY, WINDOW + MAX_DELAY).astype(np.float32) / 32768.0
+        recent = ref[MAX_DELAY:]
+        if np.sqrt(np.mean(recent ** 2)) < LOUD_REFERENCE:
+            return  # nothing audible played in this second: nothing to tell from it
+        mic = self._raw
+        self._loud_checked += CHECK_EVERY
+        if np.sqrt(np.mean(mic ** 2)) < QUIET_MIC:
+            self.last_correlation = 0.0
+            return  # the reply is loud and the microphone silent: no echo
+        # corr[i]: the microphone against the reference i samples later than a delay of MAX_DELAY
+        corr = fftconvolve(ref, mic[::-1], mode="valid")
+        sq = np.concatenate([[0.0], np.cumsum(ref.astype(np.float64) ** 2)])
+        ref_energy = sq[WINDOW:] - sq[:-WINDOW]
+        audible = ref_energy > 0.01 * ref_energy.max()  # a near-silent stretch of reference says nothing
+        denom = np.sqrt(ref_energy[audible] * float(np.dot(mic, mic)))
+        self.last_correlation = float(np.max(np.abs(corr[audible]) / denom))
+        if self.last_correlation >= ECHO_CORRELATION:
+            self.echo_heard = True
+
     def process(self, pcm: np.ndarray) -> np.ndarray:
         """Microphone int16 16 kHz in; the echo-cancelled audio of every whole 10 ms block so far out
         (so the output lags the input by under 10 ms). Blocks with no reply audio playing near them
@@ -75,6 +130,8 @@ class EchoCanceller:
         n = len(buf) // BLOCK * BLOCK
         self._pending = buf[n:]
         out = buf[:n].copy()
+        if n:
+            self._raw = np.concatenate([self._raw, out.astype(np.float32) / 32768.0])[-WINDOW:]
         rtc = self._rtc
         for i in range(0, n, BLOCK):
             pos = self._out_pos + i
@@ -86,4 +143,9 @@ class EchoCanceller:
             self._apm.process_stream(mic)
             out[i:i + BLOCK] = np.frombuffer(bytes(mic.data), np.int16)
         self._out_pos += n
-        return out
+        if self._out_pos < self.active_until + RATE:  # a reply plays, or just did
+            self._since_check += n
+            if self._since_check >= CHECK_EVERY:
+                self._since_check = 0
+                self._check_echo()
+        return out if self.use_cancelled else buf[:n]

@@ -106,7 +106,7 @@ class SessionConfig:
     # partial) in audio louder than barge_in_min_rms; "vad+words": whichever comes first; "off"
     # (or false). true means "vad". No interruption in the reply's first barge_in_grace_s.
     barge_in: bool | str = "vad"
-    barge_in_min_speech_ms: float = 200
+    barge_in_min_speech_ms: float = 150
     barge_in_min_rms: float = 0.01  # of int16 full scale; quieter audio never interrupts by words
     barge_in_grace_s: float = 0.5  # no interruption during the reply's first audio
     # CSM context: the last N turns with audio (user audio encoded once, bot codes as generated).

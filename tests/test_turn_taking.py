@@ -332,3 +332,17 @@ def test_turn_taking_settings_are_validated():
             SessionConfig(**bad)
     assert SessionConfig(barge_in=True).barge_in_mode == "vad"
     assert SessionConfig(barge_in=False).barge_in_mode == "off"
+
+
+def test_person_is_heard_at_once_when_there_is_no_echo(bot_reply):
+    """A headset: the reply plays, the microphone hears only the person. AEC3 alone, still learning
+    an echo path that does not exist, held their speech back ~1 s; the echo check lets the raw
+    audio through once the reply has been loud and the microphone silent."""
+    _, reply_24k = bot_reply
+    person = speech.espeak("Stop, wait a moment please.")
+    mic = np.zeros(4 * RATE)
+    onset = RATE
+    mic[onset:onset + len(person)] += person
+    for canceller in (False, True):
+        started = [e.sample for e in _listen(mic, reply_24k, echo_cancellation=canceller) if e.kind == "speech.started"]
+        assert started and 0 <= started[0] - onset <= 0.2 * RATE, (canceller, started)
