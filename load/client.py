@@ -20,6 +20,7 @@ class TurnResult:
     turn: int
     final_text: str = ""
     partials: list[str] = field(default_factory=list)
+    partial_times: list[float] = field(default_factory=list)
     response_text: str = ""
     chunks: list[np.ndarray] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)
@@ -96,6 +97,7 @@ class Conversation:
         tr.types.append(kind)
         if kind == "transcript.partial":
             tr.partials.append(msg["text"])
+            tr.partial_times.append(now)
         elif kind == "transcript.final":
             tr.final_text, tr.final_at = msg["text"], now
         elif kind == "response.text":

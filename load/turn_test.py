@@ -40,16 +40,20 @@ def _pct(xs, q):
     return float(np.percentile(xs, q)) if xs else None
 
 
-async def hands_free(url: str, clips: list[np.ndarray]) -> tuple[list[float], int]:
-    """Voice-to-voice (ms) per clip, and how many turns the server made of them."""
+async def hands_free(url: str, clips: list[np.ndarray]) -> tuple[list[dict], int]:
+    """Per clip: voice-to-voice (ms) and its split (end of speech -> transcript.final -> first
+    audio); and how many turns the server made of the clips."""
     async with Conversation(url) as conv:
-        v2v = []
+        rows = []
         for pcm in clips:
             tr = await conv.say_hands_free(pcm, speech_end=len(pcm))
             if tr.time_to_first_audio is not None:
-                v2v.append(1000 * tr.time_to_first_audio)
+                rows.append({"v2v": 1000 * tr.time_to_first_audio, "to_final": 1000 * (tr.final_at - tr.ended_at),
+                             "final_to_audio": 1000 * (tr.chunk_times[0] - tr.final_at),
+                             "partial_every": 1000 * float(np.median(np.diff(tr.partial_times)))
+                             if len(tr.partial_times) > 1 else None})
         await asyncio.sleep(2.0)  # let a split-off second half (a cut) show up as a turn of its own
-        return v2v, len([t for t in conv.turns.values() if t.final_at])
+        return rows, len([t for t in conv.turns.values() if t.final_at])
 
 
 async def _stream_mic(conv: Conversation, t0: float, seconds: float, frame_of, until=None) -> None:
@@ -113,7 +117,13 @@ async def main_async(args) -> dict:
     clips = [speech.padded(speech.espeak(t), 0.3, 0.0) for t in SENTENCES]
     paused = speech.padded(speech.with_pauses(*PAUSED), 0.3, 0.0)
     person = speech.espeak(PERSON).astype(np.float32)
-    v2v, turns = await hands_free(args.url, clips * 2)
+    rows, turns = await hands_free(args.url, clips * 2)
+    v2v = [r["v2v"] for r in rows]
+    if args.hands_free_only:
+        return {"voice_to_voice_ms": {"n": len(v2v), "p50": _pct(v2v, 50), "p95": _pct(v2v, 95), "max": max(v2v, default=None)},
+                "voice_to_voice_split_ms": {k: _pct([r[k] for r in rows], 50) for k in ("to_final", "final_to_audio")},
+                "partial_every_ms": _pct([r["partial_every"] for r in rows if r["partial_every"]], 50),
+                "hands_free_turns": {"clips": len(clips) * 2, "turns": turns}}
     _, paused_turns = await hands_free(args.url, [paused] * args.rounds)
     barge = [await reply_with_mic(args.url, person, echo=False) for _ in range(args.rounds)]
     echo_only = [await reply_with_mic(args.url, None, echo=True) for _ in range(args.rounds)]
@@ -122,6 +132,10 @@ async def main_async(args) -> dict:
     e_ms = [r["barge_in_ms"] for r in echo_person if "barge_in_ms" in r]
     return {
         "voice_to_voice_ms": {"n": len(v2v), "p50": _pct(v2v, 50), "p95": _pct(v2v, 95), "max": max(v2v, default=None)},
+        # medians of the split: end of speech -> transcript.final (end-of-turn detection and the
+        # recogniser's last step), transcript.final -> first reply audio (LLM and TTS)
+        "voice_to_voice_split_ms": {k: _pct([r[k] for r in rows], 50) for k in ("to_final", "final_to_audio")},
+        "partial_every_ms": _pct([r["partial_every"] for r in rows if r["partial_every"]], 50),
         "hands_free_turns": {"clips": len(clips) * 2, "turns": turns},
         "paused_sentence": {"runs": args.rounds, "turns": paused_turns, "cut": paused_turns - args.rounds},
         "barge_in_ms": {"n": len(b_ms), "of": len(barge), "p50": _pct(b_ms, 50), "p95": _pct(b_ms, 95), "max": max(b_ms, default=None)},
@@ -136,18 +150,24 @@ def main() -> None:
     ap.add_argument("--url", default="ws://127.0.0.1:8000/v1/conversation")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--hands-free-only", action="store_true", help="only the hands-free turns (voice-to-voice)")
     args = ap.parse_args()
     res = asyncio.run(main_async(args))
     rows = [
         ("voice-to-voice p50 / p95 / max (ms)", "{p50:.0f} / {p95:.0f} / {max:.0f} over {n} turns".format(**res["voice_to_voice_ms"])),
+        ("  p50 split: speech end -> final -> audio", "{to_final:.0f} + {final_to_audio:.0f}".format(**res["voice_to_voice_split_ms"])),
+        ("partial transcript every (ms, median)", f"{res['partial_every_ms']:.0f}" if res["partial_every_ms"] else "-"),
         ("hands-free clips -> turns", "{clips} -> {turns}".format(**res["hands_free_turns"])),
-        ("paused sentence: runs cut", "{cut} of {runs}".format(**res["paused_sentence"])),
-        ("barge-in p50 / p95 / max (ms)", "{p50:.0f} / {p95:.0f} / {max:.0f} ({n} of {of} interrupted)".format(**res["barge_in_ms"])
-         if res["barge_in_ms"]["n"] else "none interrupted"),
-        ("echo only: replies interrupted", "{interrupted} of {replies}".format(**res["echo_false_barge_ins"])),
-        ("person over echo: barge-in p50 / max (ms)", "{p50:.0f} / {max:.0f} ({n} of {of})".format(**res["barge_in_over_echo_ms"])
-         if res["barge_in_over_echo_ms"]["n"] else "none interrupted"),
     ]
+    if not args.hands_free_only:
+        rows += [
+            ("paused sentence: runs cut", "{cut} of {runs}".format(**res["paused_sentence"])),
+            ("barge-in p50 / p95 / max (ms)", "{p50:.0f} / {p95:.0f} / {max:.0f} ({n} of {of} interrupted)".format(**res["barge_in_ms"])
+             if res["barge_in_ms"]["n"] else "none interrupted"),
+            ("echo only: replies interrupted", "{interrupted} of {replies}".format(**res["echo_false_barge_ins"])),
+            ("person over echo: barge-in p50 / max (ms)", "{p50:.0f} / {max:.0f} ({n} of {of})".format(**res["barge_in_over_echo_ms"])
+             if res["barge_in_over_echo_ms"]["n"] else "none interrupted"),
+        ]
     w = max(len(r[0]) for r in rows)
     for name, val in rows:
         print(f"{name:<{w}}  {val}")

@@ -100,10 +100,23 @@ def session_options(cfg: SessionConfig, query: dict[str, str]) -> SessionConfig:
     unknown = set(query) - set(CLIENT_OPTIONS)
     if unknown:
         raise ValueError(f"unknown session options {sorted(unknown)}; known: {sorted(CLIENT_OPTIONS)}")
-    return dataclasses.replace(cfg, **query) if query else cfg  # replace() validates the values
+    chosen = {name: CLIENT_OPTIONS[name](name, value) for name, value in query.items()}
+    return dataclasses.replace(cfg, **chosen) if chosen else cfg  # replace() validates the values
 
 
-CLIENT_OPTIONS = ("turn_detection",)
+def _flag(name: str, value: str) -> bool:
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise ValueError(f"session option {name} must be true or false, got {value!r}")
+
+
+# What a client may choose for its own session, and how its query value is read.
+CLIENT_OPTIONS = {
+    "turn_detection": lambda name, value: value,  # "vad" | "manual", validated by SessionConfig
+    "echo_cancellation": _flag,  # a client that cancels echo itself (a browser) may turn the server's off
+}
 
 
 async def refuse_options(conn: Connection, message: str) -> None:

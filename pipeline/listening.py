@@ -53,8 +53,9 @@ class Listener:
 
 
 def warm_listening() -> None:
-    """Load the process's VAD and Smart Turn models now (a server does this before it is ready)."""
+    """Load the process's VAD, Smart Turn and echo canceller now and run each once (onnxruntime's
+    first call allocates), so a server's first caller does not pay for it."""
     from pipeline import smart_turn, vad
 
-    vad.shared_model()
-    smart_turn.shared_model()
+    Listener(VADSettings(), echo_cancellation=True).hear(np.zeros(vad.WINDOW + vad.CONTEXT, np.int16))
+    smart_turn.shared_model().probability(np.zeros(SAMPLE_RATE, np.int16))

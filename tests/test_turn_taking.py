@@ -346,3 +346,17 @@ def test_person_is_heard_at_once_when_there_is_no_echo(bot_reply):
     for canceller in (False, True):
         started = [e.sample for e in _listen(mic, reply_24k, echo_cancellation=canceller) if e.kind == "speech.started"]
         assert started and 0 <= started[0] - onset <= 0.2 * RATE, (canceller, started)
+
+
+def test_session_options_from_the_url_query():
+    from pipeline.connection import session_options
+
+    base = SessionConfig()
+    assert session_options(base, {}) is base
+    chosen = session_options(base, {"turn_detection": "manual", "echo_cancellation": "false"})
+    assert chosen.turn_detection == "manual" and chosen.echo_cancellation is False
+    assert base.turn_detection == "vad" and base.echo_cancellation is True  # the server's own untouched
+    for bad, match in (({"turn_detection": "sometimes"}, "turn_detection"), ({"echo_cancellation": "maybe"}, "true or false"),
+                       ({"max_sessions": "1000"}, "unknown session options")):
+        with pytest.raises(ValueError, match=match):
+            session_options(base, bad)
