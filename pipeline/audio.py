@@ -59,3 +59,27 @@ def speech_like(seconds: float, rate: int = 16_000, seed: int = 0) -> np.ndarray
     syllables = np.clip(np.sin(2 * np.pi * (3.5 + rng.random()) * t), 0, None) ** 2
     noise = 0.05 * rng.standard_normal(n)
     return float_to_int16(0.3 * voiced * syllables + noise * syllables)
+
+
+class AudioRing:
+    """The last ``capacity`` samples of a stream, kept without copying the stream per frame."""
+
+    def __init__(self, capacity: int, dtype=np.int16):
+        self._buf = np.zeros(capacity, dtype)
+        self.written = 0  # samples appended so far
+
+    def append(self, x: np.ndarray) -> None:
+        cap = len(self._buf)
+        x = np.asarray(x, self._buf.dtype)[-cap:]
+        start = self.written % cap
+        first = min(len(x), cap - start)
+        self._buf[start:start + first] = x[:first]
+        self._buf[: len(x) - first] = x[first:]
+        self.written += len(x)
+
+    def last(self, n: int) -> np.ndarray:
+        """The last ``n`` samples (fewer if fewer were kept or written), oldest first."""
+        n = max(0, min(n, self.written, len(self._buf)))
+        end = self.written % len(self._buf)
+        idx = (end - n + np.arange(n)) % len(self._buf)
+        return self._buf[idx]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.signal import fftconvolve
 
-from pipeline.audio import int16_to_float, float_to_int16, resample
+from pipeline.audio import AudioRing, float_to_int16, int16_to_float, resample
 
 RATE = 16_000
 BLOCK = 160  # 10 ms: the block size the module takes
@@ -59,7 +59,7 @@ class EchoCanceller:
         self._pending = np.zeros(0, np.int16)  # microphone samples short of a whole block
         self._out_pos = 0  # mic position of the next sample processed
         self.active_until = 0  # mic position after which no reply audio plays: below it, blocks go through AEC
-        self._raw = np.zeros(WINDOW, np.float32)  # the last second of microphone audio processed
+        self._raw = AudioRing(WINDOW)  # the last second of microphone audio processed
         self._since_check = 0
         self._loud_checked = 0  # samples of loud reference the echo check has looked at
         self.echo_heard = False  # the microphone has been heard carrying the reply (sticky)
@@ -106,7 +106,7 @@ class EchoCanceller:
         recent = ref[MAX_DELAY:]
         if np.sqrt(np.mean(recent ** 2)) < LOUD_REFERENCE:
             return  # nothing audible played in this second: nothing to tell from it
-        mic = self._raw
+        mic = np.pad(self._raw.last(WINDOW).astype(np.float32) / 32768.0, (WINDOW - min(WINDOW, self._raw.written), 0))
         self._loud_checked += CHECK_EVERY
         if np.sqrt(np.mean(mic ** 2)) < QUIET_MIC:
             self.last_correlation = 0.0
@@ -130,8 +130,7 @@ class EchoCanceller:
         n = len(buf) // BLOCK * BLOCK
         self._pending = buf[n:]
         out = buf[:n].copy()
-        if n:
-            self._raw = np.concatenate([self._raw, out.astype(np.float32) / 32768.0])[-WINDOW:]
+        self._raw.append(out)
         rtc = self._rtc
         for i in range(0, n, BLOCK):
             pos = self._out_pos + i

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.audio import AudioRing
 from pipeline.vad import SAMPLE_RATE, SileroVAD, VADEvent, VADSettings, VoiceActivity
 
 RECENT_S = 3.0  # raw audio kept: the longest frame (1 s), the VAD's onset delay and the pre-roll fit
@@ -24,20 +25,21 @@ class Listener:
             self.echo: "EchoCanceller | None" = EchoCanceller()
         else:
             self.echo = None
-        self._cap = int(RECENT_S * SAMPLE_RATE)
-        self._recent = np.zeros(0, np.int16)
-        self.position = 0  # microphone samples received
+        self._recent = AudioRing(int(RECENT_S * SAMPLE_RATE))
+
+    @property
+    def position(self) -> int:
+        """Microphone samples received."""
+        return self._recent.written
 
     def hear(self, pcm: np.ndarray) -> list[VADEvent]:
         """One microphone frame (int16 16 kHz): the VAD's events, in order."""
-        self.position += len(pcm)
-        self._recent = np.concatenate([self._recent, pcm])[-self._cap:]
+        self._recent.append(pcm)
         return self.vad.push(self.echo.process(pcm) if self.echo else pcm)
 
     def since(self, sample: int) -> np.ndarray:
         """The raw audio from stream position ``sample`` to now (as much of it as is kept)."""
-        n = self.position - max(0, sample)
-        return self._recent[-n:] if n > 0 else self._recent[:0]
+        return self._recent.last(self.position - max(0, sample))
 
     @property
     def speaking(self) -> bool:

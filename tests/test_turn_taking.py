@@ -360,3 +360,17 @@ def test_session_options_from_the_url_query():
                        ({"max_sessions": "1000"}, "unknown session options")):
         with pytest.raises(ValueError, match=match):
             session_options(base, bad)
+
+
+def test_audio_ring_keeps_the_last_samples():
+    from pipeline.audio import AudioRing
+
+    rng = np.random.default_rng(0)
+    ring, stream = AudioRing(100), np.zeros(0, np.int16)
+    for _ in range(300):
+        x = rng.integers(-1000, 1000, int(rng.integers(0, 250))).astype(np.int16)
+        ring.append(x)
+        stream = np.concatenate([stream, x])
+        n = int(rng.integers(0, 130))
+        np.testing.assert_array_equal(ring.last(n), stream[len(stream) - min(n, 100, len(stream)):])
+    assert ring.written == len(stream)
