@@ -70,12 +70,14 @@ class AudioRing:
 
     def append(self, x: np.ndarray) -> None:
         cap = len(self._buf)
-        x = np.asarray(x, self._buf.dtype)[-cap:]
-        start = self.written % cap
+        x = np.asarray(x, self._buf.dtype)
+        total = len(x)
+        x = x[-cap:]  # of a frame longer than the ring, only its end is kept
+        start = (self.written + total - len(x)) % cap
         first = min(len(x), cap - start)
         self._buf[start:start + first] = x[:first]
         self._buf[: len(x) - first] = x[first:]
-        self.written += len(x)
+        self.written += total
 
     def last(self, n: int) -> np.ndarray:
         """The last ``n`` samples (fewer if fewer were kept or written), oldest first."""
