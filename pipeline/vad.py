@@ -106,10 +106,11 @@ class VoiceActivity:
 
     @property
     def silence_ms(self) -> float:
-        """How long it has been silent since the last speech (0 while speech goes on)."""
-        if self._in_speech:
+        """How long it has been silent since the speech ended (0 while speech goes on): counted
+        from the end's estimate, ``TRAIL`` before the last speech window's end."""
+        if self._in_speech or self._run_start is None and self._speech_end == 0:
             return 0.0
-        return 1000 * (self.position - self._speech_end) / SAMPLE_RATE
+        return 1000 * (self.position - self._speech_end + TRAIL) / SAMPLE_RATE
 
     def push(self, pcm: np.ndarray) -> list[VADEvent]:
         self._buf = np.concatenate([self._buf, np.asarray(pcm, np.float32) / 32768.0])
