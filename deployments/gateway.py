@@ -134,6 +134,8 @@ class Gateway:
         for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT, P.E_SERVER_BUSY, P.E_IDLE_TIMEOUT, P.E_TURN_TOO_LONG,
                      P.E_ENGINE_UNAVAILABLE):
             metrics.ERRORS.labels(code=code).inc(0)
+        for by in ("smart_turn", "silence", "turn_end", "typed", "endpoint", "max_turn"):
+            metrics.TURN_ENDS.labels(by=by).inc(0)
         # This replica's sessions, at most session.max_sessions; the gauge follows its count.
         self.sessions = SessionRegistry(self.session_cfg.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)
         # The turn-taking models load here, before the replica is ready, not on a first caller.
@@ -183,6 +185,8 @@ class Gateway:
             on_turn=metrics.TURNS.inc,
             on_interrupt=metrics.BARGE_INS.inc,
             on_error=lambda code: metrics.ERRORS.labels(code=code).inc(),
+            on_turn_end=lambda by: metrics.TURN_ENDS.labels(by=by).inc(),
+            on_smart_turn=metrics.SMART_TURN.observe,
         )
 
     @api.websocket("/v1/conversation")

@@ -30,7 +30,7 @@ from load.speakerphone import Speakerphone
 from pipeline import protocol as P
 
 SENTENCES = ["Please turn off the lights in the kitchen.", "What is the weather like in London today?",
-             "Play some music in the living room.", "I would like to book a flight to Paris on Friday."]
+             "Tell me a joke about cats.", "I would like to book a flight to Paris on Friday."]
 PAUSED = (["I would like to book a flight to", "Paris on Friday."], 0.5)
 PERSON = "Stop, wait a moment please."
 RATE = P.INPUT_SAMPLE_RATE

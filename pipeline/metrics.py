@@ -63,6 +63,9 @@ UNSEEN_SHAPES_AFTER_WARMUP = Counter(
 SESSIONS_ACTIVE = Gauge("voice_sessions_active", "Open WebSocket sessions.", multiprocess_mode="livesum")
 TURNS = Counter("voice_turns", "User turns ended (spoken or typed).")
 BARGE_INS = Counter("voice_barge_ins", "Replies interrupted by a new user turn.")
+TURN_ENDS = Counter("voice_turn_ends", "User turns ended, by what ended them: smart_turn, silence (a pause past "
+                    "eot_max_silence_ms), turn_end, typed, endpoint, max_turn.", ["by"])
+SMART_TURN = Histogram("voice_smart_turn_seconds", "One Smart Turn end-of-turn call (gateway).", buckets=LATENCY_BUCKETS)
 ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["code"])
 
 ALL = [

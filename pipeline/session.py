@@ -130,6 +130,8 @@ class SessionConfig:
     on_turn: Callable[[], None] | None = None
     on_interrupt: Callable[[], None] | None = None
     on_error: Callable[[str], None] | None = None
+    on_turn_end: Callable[[str], None] | None = None  # what ended a turn (see Session._end_turn)
+    on_smart_turn: Callable[[float], None] | None = None  # one Smart Turn call, seconds
 
     def __post_init__(self) -> None:
         for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s"):
@@ -253,7 +255,7 @@ class Session:
         if isinstance(msg, P.AudioIn):
             await self._on_microphone(msg.pcm)
         elif isinstance(msg, P.TextIn):
-            await self._end_turn(typed_text=msg.text)
+            await self._end_turn(typed_text=msg.text, by="typed")
         else:
             await self._end_turn()
 
@@ -291,15 +293,18 @@ class Session:
             return
         if any(ev.kind == "speech.stopped" for ev in events):
             audio = np.concatenate(self._turn_audio) if self._turn_audio else np.zeros(0, np.int16)
+            started = time.monotonic()
             p = await self.smart_turn.probability_async(audio)
+            if self.cfg.on_smart_turn:
+                self.cfg.on_smart_turn(time.monotonic() - started)
             self.eot_probabilities.append(p)
             if p >= self.cfg.eot_threshold and not self.ears.speaking:
-                await self._end_turn()
+                await self._end_turn(by="smart_turn")
                 return
             wait_s = (self.cfg.eot_max_silence_ms - self.ears.vad.silence_ms) / 1000
             self._eot_deadline = time.monotonic() + max(0.0, wait_s)
         if self._eot_deadline is not None and self.ears.vad.silence_ms >= self.cfg.eot_max_silence_ms:
-            await self._end_turn()
+            await self._end_turn(by="silence")
 
     async def _on_audio(self, pcm: np.ndarray) -> None:
         """Audio of the open spoken turn, or the first of a new one. The frame that brings a turn to
@@ -428,7 +433,7 @@ class Session:
                     await self._interrupt(send_done=True)
                 await self.send(P.transcript_partial(self.partial, self.turn + 1))
             elif ev["kind"] == "endpoint":
-                await self._end_turn()
+                await self._end_turn(by="endpoint")
                 break
 
     def _should_barge_in(self) -> bool:
@@ -446,10 +451,11 @@ class Session:
     async def _end_long_turn(self) -> None:
         await self.send_error(P.E_TURN_TOO_LONG, f"a spoken turn lasts at most {self.cfg.max_turn_s:g} s; "
                               "it ends here as if turn.end had arrived")
-        await self._end_turn()
+        await self._end_turn(by="max_turn")
 
-    async def _end_turn(self, typed_text: str | None = None) -> None:
-        """End the current user turn (spoken or typed) and start its reply."""
+    async def _end_turn(self, typed_text: str | None = None, by: str = "turn_end") -> None:
+        """End the current user turn (spoken or typed) and start its reply. ``by``: what ended it
+        (turn_end, typed, smart_turn, silence, endpoint, max_turn), for the metrics."""
         ended_at = time.monotonic()
         if self.listening and not self._holds_slot:
             self._drop_turn()  # refused: nothing was heard, so nothing is sent and no number is used
@@ -478,6 +484,8 @@ class Session:
         await self.send(P.transcript_final(text, turn, words))
         if self.cfg.on_turn:
             self.cfg.on_turn()
+        if self.cfg.on_turn_end:
+            self.cfg.on_turn_end(by if typed_text is None else "typed")
         task = asyncio.create_task(
             self._run_reply(turn, text.strip(), user_audio, ended_at), name=f"reply-{self.id}-{turn}"
         )
@@ -515,7 +523,7 @@ class Session:
         """End a spoken turn that has held its slot past ``max_turn_s`` (a client that stopped
         sending mid-turn); return True once nothing went either way for ``idle_timeout_s``."""
         if self._eot_deadline is not None and time.monotonic() >= self._eot_deadline:
-            await self._end_turn()  # a hands-free client went quiet after a pause: the turn is over
+            await self._end_turn(by="silence")  # a hands-free client went quiet after a pause: the turn is over
         turn_at = self._turn_deadline()
         if turn_at is not None and time.monotonic() >= turn_at:
             await self._end_long_turn()

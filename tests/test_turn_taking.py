@@ -197,14 +197,16 @@ def test_hands_free_turns_without_turn_end(engines, sentence):
 
     async def go():
         rec = Recorder()
-        s = Session(rec, engines, SessionConfig(pace_lead_s=None, barge_in="off"))
+        s = Session(rec, engines, SessionConfig(pace_lead_s=None, barge_in="off", on_turn_end=ended_by.append))
         await s.start()
         await _stream(s, audio)
         await rec.wait(lambda r: len(r.of("response.done")) == 2)
         await s.close()
         return rec, s
 
+    ended_by: list[str] = []
     rec, s = asyncio.run(go())
+    assert ended_by == ["smart_turn", "smart_turn"]
     finals = rec.of("transcript.final")
     assert [m["turn"] for m in finals] == [1, 2]
     assert [m["turn"] for m in rec.of("response.done")] == [1, 2]
@@ -235,7 +237,7 @@ def test_incomplete_pause_ends_the_turn_after_max_silence(engines):
 
     async def go(streamed_silence: bool):
         rec = Recorder()
-        s = Session(rec, engines, SessionConfig(pace_lead_s=None, eot_max_silence_ms=800))
+        s = Session(rec, engines, SessionConfig(pace_lead_s=None, eot_max_silence_ms=800, on_turn_end=ended_by.append))
         await s.start()
         await _stream(s, half)
         assert not rec.of("transcript.final")  # 400 ms of silence: past speech.stopped, under 800 ms
@@ -248,9 +250,10 @@ def test_incomplete_pause_ends_the_turn_after_max_silence(engines):
         return rec, s
 
     for streamed in (True, False):
+        ended_by: list[str] = []
         rec, s = asyncio.run(go(streamed))
         assert s.eot_probabilities and s.eot_probabilities[0] < 0.5
-        assert [m["turn"] for m in rec.of("transcript.final")] == [1]
+        assert [m["turn"] for m in rec.of("transcript.final")] == [1] and ended_by == ["silence"]
 
 
 class SpeechVoice:
