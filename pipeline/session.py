@@ -197,6 +197,7 @@ class Session:
             smart_turn = shared_model()
         self.smart_turn = smart_turn
         self._eot_deadline: float | None = None  # a pause Smart Turn called incomplete ends the turn then
+        self._ended_by_server = False  # hands-free: the last spoken turn was ended by the server, no speech since
         self.eot_probabilities: list[float] = []  # Smart Turn's verdicts in this session, for tests and tools
         self._send_raw = send
         self._send_lock = asyncio.Lock()
@@ -256,6 +257,10 @@ class Session:
             await self._on_microphone(msg.pcm)
         elif isinstance(msg, P.TextIn):
             await self._end_turn(typed_text=msg.text, by="typed")
+        elif self._ended_by_server and not self.listening:
+            # Hands-free, the server already ended the turn this turn.end ends (a push-to-talk
+            # client's audio had a pause in it): nothing more to do, not an empty turn.
+            self._ended_by_server = False
         else:
             await self._end_turn()
 
@@ -324,6 +329,7 @@ class Session:
 
     async def _begin_turn(self) -> None:
         self.listening = True
+        self._ended_by_server = False
         self.partial = ""
         self._turn_audio = []
         self._turn_samples = 0
@@ -479,6 +485,8 @@ class Session:
         else:
             text = ""
         self._drop_turn()
+        self._ended_by_server = (self.cfg.turn_detection == "vad" and typed_text is None
+                                 and by in ("smart_turn", "silence", "endpoint", "max_turn"))
         self.turn += 1
         turn = self.turn
         await self.send(P.transcript_final(text, turn, words))

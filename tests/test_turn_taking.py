@@ -377,3 +377,24 @@ def test_audio_ring_keeps_the_last_samples():
         n = int(rng.integers(0, 130))
         np.testing.assert_array_equal(ring.last(n), stream[len(stream) - min(n, 100, len(stream)):])
     assert ring.written == len(stream)
+
+
+def test_push_to_talk_client_on_the_hands_free_default_gets_one_turn(engines, sentence):
+    """A client written for push-to-talk sends speech with trailing silence, then turn.end. The
+    server ends the turn at the pause; the turn.end that follows ends that same turn: no empty
+    second turn, and the reply is not interrupted by it."""
+    async def go():
+        rec = Recorder()
+        s = Session(rec, engines, SessionConfig(pace_lead_s=None))
+        await s.start()
+        await _stream(s, speech.padded(sentence, 0.3, 0.6), frame=1600)
+        await s.on_frame(P.client_turn_end())
+        await s.on_frame(P.client_text("And then?"))
+        await rec.wait(lambda r: len(r.of("response.done")) == 2)
+        await s.close()
+        return rec
+
+    rec = asyncio.run(go())
+    assert [m["turn"] for m in rec.of("transcript.final")] == [1, 2]
+    assert rec.of("transcript.final")[1]["text"] == "And then?"
+    assert rec.of("response.done")[0]["turn"] == 1 and rec.of("audio")
