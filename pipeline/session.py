@@ -198,7 +198,7 @@ class Session:
         self.smart_turn = smart_turn
         self._eot_deadline: float | None = None  # a pause Smart Turn called incomplete ends the turn then
         self._ended_by_server = False  # hands-free: the last spoken turn was ended by the server, no speech since
-        self.eot_probabilities: list[float] = []  # Smart Turn's verdicts in this session, for tests and tools
+        self.eot_probabilities: list[float] = []  # Smart Turn's last verdicts (at most 100), for tests and tools
         self._send_raw = send
         self._send_lock = asyncio.Lock()
         self.backends = backends
@@ -303,6 +303,7 @@ class Session:
             if self.cfg.on_smart_turn:
                 self.cfg.on_smart_turn(time.monotonic() - started)
             self.eot_probabilities.append(p)
+            del self.eot_probabilities[:-100]
             if p >= self.cfg.eot_threshold and not self.ears.speaking:
                 await self._end_turn(by="smart_turn")
                 return
