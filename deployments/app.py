@@ -13,6 +13,7 @@ from deployments.llm import LLM
 from deployments.stt import STT
 from deployments.tts import TTS
 from pipeline import metrics
+from pipeline.auth import AuthConfig, load_tokens
 from pipeline.llm.config import LLMConfig
 from pipeline.session import SessionConfig
 from pipeline.stt.config import STTConfig
@@ -29,6 +30,10 @@ class AppArgs(BaseModel):
     llm: dict[str, Any] = {}
     tts: dict[str, Any] = {}
     session: dict[str, Any] = {}
+    # Who may connect (pipeline/auth.py, docs/protocol.md "Authentication and limits"). Unset,
+    # auth is on (mode token) and the server does not start without a token: serving open
+    # takes `auth: {mode: none}` written in the config.
+    auth: dict[str, Any] = {}
 
 
 def _engine_config(cls, profile: str, device: str, overrides: dict[str, Any]):
@@ -46,11 +51,17 @@ def configs(args: AppArgs) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown session settings {sorted(unknown)}; known: {sorted(session_fields)}")
     SessionConfig(**args.session)  # bad values (a limit of 0) stop `serve run` here, not in the gateway
+    auth_fields = {f.name for f in dataclasses.fields(AuthConfig)}
+    unknown = set(args.auth) - auth_fields
+    if unknown:
+        raise ValueError(f"unknown auth settings {sorted(unknown)}; known: {sorted(auth_fields)}")
+    load_tokens(AuthConfig(**args.auth))  # mode token without a token stops `serve run` here
     return {
         "stt": _engine_config(STTConfig, args.profile, args.device, args.stt),
         "llm": _engine_config(LLMConfig, args.profile, args.device, args.llm),
         "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts),
         "session": dict(args.session),
+        "auth": dict(args.auth),
     }
 
 
@@ -58,4 +69,4 @@ def build_app(args: dict[str, Any]) -> Application:
     cfg = configs(AppArgs(**(args or {})))
     if os.environ.get(metrics.MULTIPROC_ENV):
         metrics.prepare_multiproc_dir(os.environ[metrics.MULTIPROC_ENV])
-    return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"])
+    return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"])

@@ -3,11 +3,14 @@
 # through Ray Serve's class-based view, or the WebSocket route rejects every handshake (403).
 import asyncio
 import functools
+import logging
+from pathlib import Path
 from typing import AsyncIterator
 
 import numpy as np
-from fastapi import FastAPI, WebSocket
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from ray import exceptions as ray_errors
 from ray import serve
 from ray.serve import exceptions as serve_errors
@@ -16,11 +19,25 @@ from starlette.websockets import WebSocketDisconnect
 
 from pipeline import metrics
 from pipeline import protocol as P
+from pipeline.admission import Gatekeeper, Handshake, Refused
+from pipeline.auth import AuthConfig, Authenticator, load_tokens
+from pipeline.client_limits import ClientLimits
 from pipeline.connection import ClientGone, SessionRegistry, refuse_options, serve_connection, session_options
 from pipeline.listening import warm_listening
 from pipeline.session import EngineUnavailable, NoFreeSlot, SessionConfig
 
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None)
+log = logging.getLogger(__name__)
+
+# The browser client (web/): plain files, no build step. Its scripts come from this origin only.
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; connect-src 'self'; img-src 'self' data:; "
+                               "media-src 'self' blob:; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+api.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
 
 # What Ray raises when the replica serving a call is gone or cannot be reached: the session
 # tells its client engine_unavailable (and carries on), never internal.
@@ -124,10 +141,30 @@ class RayBackends:
         return await self.tts.encode.remote(pcm)
 
 
+def _address(client) -> str:
+    """The peer's address as this server sees it (behind a reverse proxy: the proxy's)."""
+    return client.host if client is not None else "unknown"
+
+
+def _refusal_response(refused: Refused) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else {}
+    return JSONResponse(refused.body(), status_code=refused.status, headers=headers)
+
+
+async def _deny(ws: WebSocket, refused: Refused) -> None:
+    """Answer a handshake with an HTTP error instead of the upgrade. Where the server does not
+    offer ASGI's denial-response extension, closing before accepting makes it answer 403."""
+    try:
+        await ws.send_denial_response(_refusal_response(refused))
+    except RuntimeError:
+        await ws.close(code=P.CLOSE_POLICY_VIOLATION)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1000)
 @serve.ingress(api)
 class Gateway:
-    def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict):
+    def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
+                 auth: dict):
         self.backends = RayBackends(stt, llm, tts)
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
         self.session_cfg = self._session_config(dict(session))
@@ -138,6 +175,16 @@ class Gateway:
             metrics.TURN_ENDS.labels(by=by).inc(0)
         # This replica's sessions, at most session.max_sessions; the gauge follows its count.
         self.sessions = SessionRegistry(self.session_cfg.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)
+        # Who may come in (pipeline/admission.py): tokens are read here, in this process, from
+        # the environment or file the config names; a token mode without tokens fails the start.
+        auth_cfg = AuthConfig(**auth)
+        self.gate = Gatekeeper(Authenticator(auth_cfg, load_tokens(auth_cfg)),
+                               ClientLimits(self.session_cfg.max_sessions_per_client,
+                                            self.session_cfg.handshakes_per_minute))
+        for code in ("unauthorized", "origin_not_allowed", "too_many_handshakes", "too_many_sessions"):
+            metrics.HANDSHAKES_REFUSED.labels(code=code).inc(0)
+        if auth_cfg.mode == "none":
+            log.warning("auth mode none: anyone who can reach this server's port can open sessions")
         # The turn-taking models load here, before the replica is ready, not on a first caller.
         warm_listening()
         self._app_name = serve.get_replica_context().app_name
@@ -172,9 +219,30 @@ class Gateway:
         return out
 
     @api.get("/metrics")
-    async def metrics(self):
-        """Prometheus scrape target: every deployment process of this node."""
+    async def metrics(self, request: Request):
+        """Prometheus scrape target: every deployment process of this node. Needs the bearer
+        token where auth is on and auth.metrics_token is true (the default)."""
+        try:
+            self.gate.check_metrics(dict(request.headers))
+        except Refused as refused:
+            return _refusal_response(refused)
         return Response(metrics.exposition(), media_type=metrics.CONTENT_TYPE_LATEST)
+
+    @api.get("/")
+    async def page(self):
+        """The browser client (web/index.html)."""
+        return FileResponse(WEB_DIR / "index.html", headers=PAGE_HEADERS)
+
+    @api.post("/v1/session")
+    async def ticket(self, request: Request):
+        """A single-use ticket for a browser's WebSocket handshake, for a bearer token
+        (docs/protocol.md, "Authentication and limits")."""
+        hs = Handshake(dict(request.headers), {}, _address(request.client))
+        try:
+            return JSONResponse(self.gate.issue_ticket(hs), headers={"Cache-Control": "no-store"})
+        except Refused as refused:
+            metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
+            return _refusal_response(refused)
 
     @staticmethod
     def _session_config(session_args: dict) -> SessionConfig:
@@ -191,12 +259,24 @@ class Gateway:
 
     @api.websocket("/v1/conversation")
     async def conversation(self, ws: WebSocket) -> None:
-        """Admission, the receive loop, limits and clean-up live in pipeline.connection (no Ray)."""
-        await ws.accept()
-        conn = WebSocketConnection(ws)
+        """The handshake is checked before the upgrade (pipeline.admission); admission, the
+        receive loop, limits and clean-up of the session live in pipeline.connection (no Ray)."""
+        hs = Handshake(dict(ws.headers), dict(ws.query_params), _address(ws.client))
         try:
-            cfg = session_options(self.session_cfg, dict(ws.query_params))
-        except ValueError as exc:
-            await refuse_options(conn, str(exc))
+            admission = self.gate.admit(hs)
+        except Refused as refused:
+            metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
+            await _deny(ws, refused)
             return
-        await serve_connection(conn, self.backends, cfg, self.sessions)
+        try:
+            await ws.accept()
+            conn = WebSocketConnection(ws)
+            try:
+                cfg = session_options(self.session_cfg, hs.session_query)
+            except ValueError as exc:
+                await refuse_options(conn, str(exc))
+                return
+            await serve_connection(conn, self.backends, cfg, self.sessions)
+        finally:
+            admission.release()
+

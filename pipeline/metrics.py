@@ -67,6 +67,9 @@ TURN_ENDS = Counter("voice_turn_ends", "User turns ended, by what ended them: sm
                     "eot_max_silence_ms), turn_end, typed, endpoint, max_turn.", ["by"])
 SMART_TURN = Histogram("voice_smart_turn_seconds", "One Smart Turn end-of-turn call (gateway).", buckets=LATENCY_BUCKETS)
 ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["code"])
+HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket requests refused before the "
+                             "upgrade, by code (unauthorized, origin_not_allowed, too_many_handshakes, "
+                             "too_many_sessions).", ["code"])
 
 ALL = [
     AUDIO_CHUNK_GAP, TIME_TO_FIRST_AUDIO, STT_STEP, STT_ACTIVE_STREAMS, STT_STREAMS_OPENED, STT_UNKNOWN_STREAMS,

@@ -119,6 +119,11 @@ class SessionConfig:
     max_turn_s: float = 60.0
     # Sessions per gateway replica; a connection over the cap gets server_busy (close 1013).
     max_sessions: int = 64
+    # Per client address (pipeline/client_limits.py), checked before the WebSocket is accepted:
+    # sessions it may hold at once (too_many_sessions, HTTP 429) and handshakes a minute
+    # (too_many_handshakes, HTTP 429; ticket requests count too).
+    max_sessions_per_client: int = 16
+    handshakes_per_minute: int = 120
     # A turn refused an STT slot tries again on a later audio frame, no sooner than this after.
     slot_retry_s: float = 1.0
     # An engine call, or the next item of an engine stream, that takes longer fails with
@@ -134,7 +139,8 @@ class SessionConfig:
     on_smart_turn: Callable[[float], None] | None = None  # one Smart Turn call, seconds
 
     def __post_init__(self) -> None:
-        for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s"):
+        for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s",
+                     "max_sessions_per_client", "handshakes_per_minute"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.slot_retry_s < 0:

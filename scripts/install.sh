@@ -4,12 +4,13 @@
 #                GPU machine e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
 #   EXTRAS       pip extras of this project (default "dev"; "dev,gpu" adds vLLM)
 #   --system     also install the Debian packages the tests and load tools use (prometheus for the
-#                metrics test, espeak-ng for spoken test turns); needs root or sudo
+#                metrics test, espeak-ng for spoken test turns, chromium for the web client's
+#                browser test, driven by Playwright with no browser download); needs root or sudo
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--system" ]; then
   missing=""
-  for pkg in prometheus espeak-ng; do command -v "$pkg" >/dev/null || missing="$missing $pkg"; done
+  for pkg in prometheus espeak-ng chromium; do command -v "$pkg" >/dev/null || missing="$missing $pkg"; done
   if [ -n "$missing" ]; then
     sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
     $sudo apt-get update -qq

@@ -1,0 +1,105 @@
+"""The gateway's door: every handshake is checked here before the WebSocket is accepted.
+
+In order: the client's handshake rate, the ``Origin``, the credentials (``pipeline.auth``),
+then the client's concurrent sessions. A refusal is an HTTP status with a stable code, sent
+instead of the upgrade: nothing (no session, no recogniser slot) exists for it yet. An admitted
+handshake holds one of its client's session places until ``release()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.auth import TICKET_PARAM, AuthError, Authenticator, origin_allowed
+from pipeline.client_limits import ClientLimits, LimitExceeded
+
+# Refusal codes (docs/protocol.md, "Authentication and limits") and their HTTP statuses.
+E_UNAUTHORIZED = "unauthorized"
+E_ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+E_TOO_MANY_HANDSHAKES = "too_many_handshakes"
+E_TOO_MANY_SESSIONS = "too_many_sessions"
+STATUS = {E_UNAUTHORIZED: 401, E_ORIGIN_NOT_ALLOWED: 403, E_TOO_MANY_HANDSHAKES: 429,
+          E_TOO_MANY_SESSIONS: 429, "server_busy": 503}
+
+
+class Refused(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.status = STATUS[code]
+
+    def body(self) -> dict:
+        return {"type": "error", "code": self.code, "message": str(self)}
+
+
+@dataclass
+class Handshake:
+    """What the gateway knows of a connection attempt; header names lower-case."""
+
+    headers: dict[str, str]
+    query: dict[str, str]
+    address: str
+
+    @property
+    def session_query(self) -> dict[str, str]:
+        """The query without credentials: what is left are session options."""
+        return {k: v for k, v in self.query.items() if k != TICKET_PARAM}
+
+
+class Admission:
+    """One admitted session's place in its client's count; ``release()`` once, when it ends."""
+
+    def __init__(self, limits: ClientLimits, address: str):
+        self._limits, self.address, self._held = limits, address, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._limits.close_session(self.address)
+
+
+class Gatekeeper:
+    def __init__(self, auth: Authenticator, limits: ClientLimits):
+        self.auth = auth
+        self.limits = limits
+
+    def admit(self, hs: Handshake) -> Admission:
+        """Admit a conversation handshake, or raise Refused."""
+        self._count_handshake(hs.address)
+        if not origin_allowed(hs.headers.get("origin"), hs.headers.get("host"), self.auth.cfg.allowed_origins):
+            raise Refused(E_ORIGIN_NOT_ALLOWED, f"origin {hs.headers.get('origin')!r} may not open sessions "
+                                                "here (auth.allowed_origins)")
+        try:
+            self.auth.check(hs.headers, hs.query)
+        except AuthError as exc:
+            raise Refused(E_UNAUTHORIZED, str(exc)) from None
+        try:
+            self.limits.open_session(hs.address)
+        except LimitExceeded as exc:
+            raise Refused(exc.code, str(exc)) from None
+        return Admission(self.limits, hs.address)
+
+    def issue_ticket(self, hs: Handshake) -> dict:
+        """``POST /v1/session``: a single-use ticket for a browser's WebSocket handshake."""
+        self._count_handshake(hs.address)
+        if not origin_allowed(hs.headers.get("origin"), hs.headers.get("host"), self.auth.cfg.allowed_origins):
+            raise Refused(E_ORIGIN_NOT_ALLOWED, f"origin {hs.headers.get('origin')!r} may not ask for tickets here")
+        try:
+            self.auth.require_token(hs.headers)
+        except AuthError as exc:
+            raise Refused(E_UNAUTHORIZED, str(exc)) from None
+        ticket, ttl = self.auth.issue()
+        return {"ticket": ticket, "expires_in_s": ttl, "auth": self.auth.cfg.mode,
+                "url": f"/v1/conversation?{TICKET_PARAM}={ticket}"}
+
+    def check_metrics(self, headers: dict[str, str]) -> None:
+        if self.auth.cfg.metrics_token:
+            try:
+                self.auth.require_token(headers)
+            except AuthError as exc:
+                raise Refused(E_UNAUTHORIZED, str(exc)) from None
+
+    def _count_handshake(self, address: str) -> None:
+        try:
+            self.limits.handshake(address)
+        except LimitExceeded as exc:
+            raise Refused(exc.code, str(exc)) from None

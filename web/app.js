@@ -1,0 +1,228 @@
+// The page: connects, streams the microphone, plays the reply, shows what happens.
+// window.gapless holds what the page measured (the browser test and load/browser_talk.py read it).
+import { Microphone, Player } from "./audio.js";
+import { Conversation, TurnStats, conversationUrl, fetchTicket } from "./client.js";
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(window.location.search);
+if (params.has("jitter_ms")) $("jitter").value = params.get("jitter_ms");
+if (params.has("mode")) $("mode").value = params.get("mode");
+$("token").value = sessionStorage.getItem("gapless-token") || "";
+
+const state = {
+  status: "not connected",
+  turns: {}, // turn -> TurnStats
+  playback: { played: 0, buffered: 0, underruns: 0, overflowed: 0 },
+  flushes: [], // {turn, dropped, played}: an interrupted reply's buffered samples, dropped unplayed
+  started: [], // {turn, played}: each turn's first sample, with the samples played before it
+  errors: [], // {code, message}
+  micFrames: 0,
+  messages: 0,
+};
+window.gapless = state;
+
+let conv = null, mic = null, player = null;
+let pendingEnd = null; // when the page ended the user's turn (text sent, turn.end sent)
+let lastSpeechStopped = null; // hands-free: when the server said the speech stopped
+let flushedTurn = -1; // audio of this turn (interrupted) is not played
+
+function setStatus(text, cls = "") {
+  state.status = text;
+  $("state").textContent = text;
+  $("state").className = cls;
+}
+
+function showError(code, message) {
+  state.errors.push({ code, message });
+  $("error").hidden = false;
+  $("error").textContent = `${code}: ${message}`;
+}
+
+function line(turn, who) {
+  const id = `${who}-${turn}`;
+  let el = document.getElementById(id);
+  if (!el) {
+    el = document.createElement("p");
+    el.id = id;
+    el.className = `line ${who}`;
+    $("conversation").appendChild(el);
+  }
+  return el;
+}
+
+function renderTurn(s) {
+  let row = document.getElementById(`row-${s.turn}`);
+  if (!row) {
+    row = document.createElement("tr");
+    row.id = `row-${s.turn}`;
+    $("turns").querySelector("tbody").appendChild(row);
+  }
+  const ms = (v) => (v === null ? "–" : `${Math.round(v)} ms`);
+  const cells = [s.turn, ms(s.firstChunkMs), ms(s.firstPlayedMs), s.chunks > 1 ? ms(s.largestGapMs) : "–",
+                 s.chunks, s.underruns, s.interrupted === null ? "…" : (s.interrupted ? "yes" : "no")];
+  row.innerHTML = cells.map((c) => `<td>${c}</td>`).join("");
+}
+
+function onPlayback(ev) {
+  if (ev.type === "stats") {
+    state.playback = { played: ev.played, buffered: ev.buffered, underruns: ev.underruns, overflowed: ev.overflowed };
+    $("playback").textContent = `played ${(ev.played / 24000).toFixed(1)} s · buffered ${Math.round(ev.buffered / 24)} ms` +
+      ` · underruns ${ev.underruns}`;
+  } else if (ev.type === "started") {
+    state.started.push({ turn: ev.turn, played: ev.played });
+    const s = state.turns[ev.turn];
+    if (s && s.firstPlayedMs === null) { s.firstPlayedMs = performance.now() - s.endedAt; renderTurn(s); }
+  } else if (ev.type === "underrun") {
+    const s = state.turns[ev.turn];
+    if (s) { s.underruns++; renderTurn(s); }
+  } else if (ev.type === "flushed") {
+    state.flushes.push({ turn: flushedTurn, dropped: ev.dropped, played: ev.played });
+  }
+}
+
+function onMessage(msg) {
+  state.messages++;
+  const now = performance.now();
+  switch (msg.type) {
+    case "session.ready":
+      setStatus(`connected (session ${msg.session_id.slice(0, 8)})`, "connected");
+      break;
+    case "speech.started":
+      setStatus("hearing you…", "connected");
+      break;
+    case "speech.stopped":
+      lastSpeechStopped = now;
+      setStatus("connected", "connected");
+      break;
+    case "transcript.partial": {
+      const el = line(msg.turn, "user");
+      el.textContent = msg.text;
+      el.classList.add("partial");
+      break;
+    }
+    case "transcript.final": {
+      const el = line(msg.turn, "user");
+      el.textContent = msg.text;
+      el.classList.remove("partial");
+      const endedAt = pendingEnd ?? lastSpeechStopped ?? now;
+      pendingEnd = lastSpeechStopped = null;
+      state.turns[msg.turn] = Object.assign(new TurnStats(msg.turn, endedAt), { finalText: msg.text, finalAt: now });
+      renderTurn(state.turns[msg.turn]);
+      break;
+    }
+    case "response.text":
+      line(msg.turn, "bot").textContent += msg.text;
+      break;
+    case "audio": {
+      if (msg.turn === flushedTurn) break;
+      player.chunk(msg.pcm, msg.turn);
+      const s = state.turns[msg.turn];
+      if (s) { s.onChunk(now); renderTurn(s); }
+      break;
+    }
+    case "response.done": {
+      const s = state.turns[msg.turn];
+      if (msg.interrupted) {
+        flushedTurn = msg.turn;
+        player.flush();
+        line(msg.turn, "bot").classList.add("interrupted");
+      } else {
+        player.end(msg.turn);
+      }
+      if (s) { s.interrupted = msg.interrupted; s.doneAt = now; renderTurn(s); }
+      break;
+    }
+    case "error":
+      showError(msg.code, msg.message);
+      break;
+  }
+}
+
+async function connect() {
+  $("connect").disabled = true;
+  $("error").hidden = true;
+  const mode = $("mode").value;
+  const token = $("token").value.trim();
+  try {
+    setStatus("asking for a ticket…");
+    let ticket;
+    try {
+      ticket = await fetchTicket(token);
+    } catch (err) {
+      if (err.code === "unauthorized") {
+        $("token-row").hidden = false;
+        throw Object.assign(new Error("this server needs a token: enter it and connect again"), { code: err.code });
+      }
+      throw err;
+    }
+    if (token) sessionStorage.setItem("gapless-token", token);
+    setStatus("starting audio…");
+    player = new Player($("speaker"), Number($("jitter").value), onPlayback);
+    await player.start();
+    mic = new Microphone((pcm) => { state.micFrames++; conv && conv.audio(pcm); });
+    state.microphone = await mic.start();
+    mic.sending = mode === "vad";
+    setStatus("connecting…");
+    const options = { turn_detection: mode };
+    if (params.get("server_echo_cancellation") === "false") options.echo_cancellation = false;
+    conv = new Conversation(conversationUrl(ticket.ticket, options), { onMessage, onClose });
+    await conv.open();
+    $("connect").textContent = "Disconnect";
+    $("connect").disabled = false;
+    $("talk").disabled = mode !== "manual";
+    $("text").disabled = $("send").disabled = false;
+  } catch (err) {
+    setStatus(`not connected: ${err.message}`, "failed");
+    showError(err.code || err.name, err.message);
+    await teardown();
+    $("connect").disabled = false;
+  }
+}
+
+function onClose(code, reason) {
+  setStatus(`disconnected (close ${code}${reason ? ": " + reason : ""})`, code === 1000 ? "" : "failed");
+  teardown();
+}
+
+async function teardown() {
+  const [c, m, p] = [conv, mic, player];
+  conv = mic = player = null;
+  if (c) c.close();
+  if (m) await m.stop();
+  if (p) await p.stop();
+  $("connect").textContent = "Connect";
+  $("talk").disabled = $("text").disabled = $("send").disabled = true;
+  $("talk").setAttribute("aria-pressed", "false");
+}
+
+$("connect").addEventListener("click", () => (conv ? teardown().then(() => setStatus("not connected")) : connect()));
+
+// Push-to-talk: the first press starts the turn, the second ends it (turn.end).
+$("talk").addEventListener("click", () => {
+  if (!conv || !mic) return;
+  const talking = $("talk").getAttribute("aria-pressed") === "true";
+  if (!talking) {
+    mic.sending = true;
+    $("talk").setAttribute("aria-pressed", "true");
+    $("talk").textContent = "Done";
+  } else {
+    mic.sending = false;
+    conv.turnEnd();
+    pendingEnd = performance.now();
+    $("talk").setAttribute("aria-pressed", "false");
+    $("talk").textContent = "Talk";
+  }
+});
+
+$("typed").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = $("text").value.trim();
+  if (!text || !conv) return;
+  conv.text(text);
+  pendingEnd = performance.now();
+  $("text").value = "";
+});
+
+$("jitter").addEventListener("change", () => {
+  if (player && player.node) player.node.port.postMessage({ type: "jitter", ms: Number($("jitter").value) });
+});
