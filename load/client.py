@@ -5,7 +5,9 @@ measure time to first audio and the gaps between audio chunks.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -44,12 +46,26 @@ class TurnResult:
         return list(np.diff(self.chunk_times)) if len(self.chunk_times) > 1 else []
 
 
-class Conversation:
-    """One WebSocket session. ``async with Conversation(url) as c: await c.say_text("hi")``."""
+TOKEN_ENV = "GAPLESS_TOKEN"  # a server with auth on (docs/protocol.md, "Authentication and limits")
 
-    def __init__(self, url: str, max_size: int = 2**22):
+
+def add_token_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--token", default=os.environ.get(TOKEN_ENV),
+                    help=f"bearer token for a server with auth on (default ${TOKEN_ENV}; the variable keeps "
+                         "it out of the process list)")
+
+
+class Conversation:
+    """One WebSocket session. ``async with Conversation(url) as c: await c.say_text("hi")``.
+    ``token`` goes in an ``Authorization: Bearer`` header; ``local_addr`` picks the client's own
+    address (e.g. ``("127.0.0.2", 0)``: another client, to per-address limits)."""
+
+    def __init__(self, url: str, max_size: int = 2**22, token: str | None = None,
+                 local_addr: tuple[str, int] | None = None):
         self.url = url
         self.max_size = max_size
+        self.token = token
+        self.local_addr = local_addr
         self.ws = None
         self.ready: dict | None = None
         self.errors: list[dict] = []
@@ -59,7 +75,9 @@ class Conversation:
         self._reader: asyncio.Task | None = None
 
     async def __aenter__(self) -> "Conversation":
-        self.ws = await websockets.connect(self.url, max_size=self.max_size)
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        extra = {"local_addr": self.local_addr} if self.local_addr else {}
+        self.ws = await websockets.connect(self.url, max_size=self.max_size, additional_headers=headers, **extra)
         self._reader = asyncio.create_task(self._read())
         first = await self.next_message(timeout=30)
         if first["type"] != "session.ready":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from load.client import Conversation, TurnResult
+from load.client import Conversation, TurnResult, add_token_argument
 from pipeline import protocol as P
 from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample, speech_like
 
@@ -59,12 +59,12 @@ def spoken_audio(i: int, text: str) -> tuple[np.ndarray, str]:
     return speech_like(0.8 + 0.4 * len(text.split()) / 3, seed=i), "synthetic"
 
 
-async def converse(url: str, turns: int, realtime: bool) -> tuple[list[dict], Conversation]:
+async def converse(url: str, turns: int, realtime: bool, token: str | None = None) -> tuple[list[dict], Conversation]:
     rows = []
     # Synthesize every spoken turn before connecting: nothing may block the client's event loop
     # mid-conversation (it would miss the server's keepalive pings).
     spoken = {i: spoken_audio(i, SPOKEN[(i // 2) % len(SPOKEN)]) for i in range(1, turns, 2)}
-    async with Conversation(url) as conv:
+    async with Conversation(url, token=token) as conv:
         for i in range(turns):
             if i % 2 == 0:
                 text = TYPED[(i // 2) % len(TYPED)]
@@ -171,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="ws://127.0.0.1:8000/v1/conversation")
     ap.add_argument("--turns", type=int, default=10)
+    add_token_argument(ap)
     ap.add_argument("--max-gap-ms", type=float, default=500)
     ap.add_argument("--realtime", action="store_true", help="send spoken audio at real-time pace")
     ap.add_argument("--out", default="out/gap", help="prefix of the JSON report and PNG timeline")
     args = ap.parse_args(argv)
     max_gap_s = args.max_gap_ms / 1000
     try:
-        rows, conv = asyncio.run(converse(args.url, args.turns, args.realtime))
+        rows, conv = asyncio.run(converse(args.url, args.turns, args.realtime, args.token))
     except Exception as exc:  # noqa: BLE001 - report and fail
         print(f"conversation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

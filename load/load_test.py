@@ -23,14 +23,15 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from load.client import Conversation
+from load.client import Conversation, add_token_argument
 from load.gap_test import SPOKEN, TYPED, spoken_audio
 
 
-async def one_conversation(url: str, idx: int, deadline: float, t0: float, samples: list, errors: list,
+async def one_conversation(url: str, token: str | None, idx: int, deadline: float, t0: float, samples: list,
+                           errors: list,
                            audio_cache: dict) -> None:
     try:
-        async with Conversation(url) as conv:
+        async with Conversation(url, token=token) as conv:
             i = idx  # stagger what each session says
             while time.monotonic() < deadline:
                 if i % 2 == 0:
@@ -47,11 +48,11 @@ async def one_conversation(url: str, idx: int, deadline: float, t0: float, sampl
         errors.append(f"{type(exc).__name__}")
 
 
-async def idle_sessions(url: str, k: int, errors: list, stack: contextlib.AsyncExitStack) -> None:
+async def idle_sessions(url: str, token: str | None, k: int, errors: list, stack: contextlib.AsyncExitStack) -> None:
     """Open ``k`` sessions that say nothing for the rest of the level (closed with ``stack``)."""
     for _ in range(k):
         try:
-            conv = await stack.enter_async_context(Conversation(url))
+            conv = await stack.enter_async_context(Conversation(url, token=token))
         except Exception as exc:  # noqa: BLE001 - a refused idle socket is an error of the level
             errors.append(f"idle:{type(exc).__name__}")
             continue
@@ -59,20 +60,20 @@ async def idle_sessions(url: str, k: int, errors: list, stack: contextlib.AsyncE
             errors.extend(f"idle:{e['code']}" for e in conv.errors)
 
 
-async def run_level(url: str, n: int, seconds: float, progress: bool, idle: int = 0) -> dict:
+async def run_level(url: str, n: int, seconds: float, progress: bool, idle: int = 0, token: str | None = None) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         errors: list = []
-        await idle_sessions(url, idle, errors, stack)
-        return await _speak_level(url, n, seconds, progress, errors)
+        await idle_sessions(url, token, idle, errors, stack)
+        return await _speak_level(url, token, n, seconds, progress, errors)
 
 
-async def _speak_level(url: str, n: int, seconds: float, progress: bool, errors: list) -> dict:
+async def _speak_level(url: str, token: str | None, n: int, seconds: float, progress: bool, errors: list) -> dict:
     # synthesized before any session starts: nothing may block the event loop mid-conversation
     cache = {k: spoken_audio(k, text)[0] for k, text in enumerate(SPOKEN)}
     t0 = time.monotonic()
     deadline = t0 + seconds
     samples: list = []
-    tasks = [asyncio.create_task(one_conversation(url, k, deadline, t0, samples, errors, cache)) for k in range(n)]
+    tasks = [asyncio.create_task(one_conversation(url, token, k, deadline, t0, samples, errors, cache)) for k in range(n)]
     while not all(t.done() for t in tasks):
         await asyncio.sleep(1)
         if progress:
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/load")
     ap.add_argument("--idle", type=int, default=0, help="silent sessions held open through each level")
     ap.add_argument("--no-progress", action="store_true")
+    add_token_argument(ap)
     args = ap.parse_args(argv)
     host = urlparse(args.url).hostname or ""
     if not (host == "localhost" or host.startswith("127.") or host == "::1"):
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     max_gap_s = args.max_gap_ms / 1000
     levels, rows = [], []
     for n in [int(x) for x in args.sessions.split(",")]:
-        lv = asyncio.run(run_level(args.url, n, args.seconds, not args.no_progress, args.idle))
+        lv = asyncio.run(run_level(args.url, n, args.seconds, not args.no_progress, args.idle, args.token))
         levels.append(lv)
         rows.append(level_summary(lv, max_gap_s))
     print(f"{'N':>3} {'turns':>5} {'gap p50':>8} {'p95':>7} {'p99':>7} {'max':>7} {'>lim':>5} {'ttfa p50':>9} {'p95':>7} {'err':>4}")

@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import sys
 
-from load.client import Conversation
+from load.client import Conversation, add_token_argument
 from pipeline import protocol as P
 from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample, write_wav
 
@@ -24,9 +24,10 @@ async def main(argv: list[str] | None = None) -> int:
     src.add_argument("--text", help="a typed turn (skips speech recognition)")
     ap.add_argument("--out", help="where to write the reply audio (WAV, 24 kHz)")
     ap.add_argument("--realtime", action="store_true", help="send audio at real-time pace")
+    add_token_argument(ap)
     args = ap.parse_args(argv)
 
-    async with Conversation(args.url) as conv:
+    async with Conversation(args.url, token=args.token) as conv:
         print(f"session {conv.ready['session_id']}", file=sys.stderr)
         if args.text is not None:
             result = await conv.say_text(args.text)
