@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +98,3 @@ class Page:
     def wait_played(self, more_than: int, timeout_s: float = 30) -> None:
         self.wait(f"g.playback.played > {more_than}", timeout_s)
 
-
-def settle(seconds: float) -> None:
-    """Let the page play what it holds (a measurement tool's pause, never a test's sync)."""
-    time.sleep(seconds)
