@@ -56,14 +56,17 @@ def test_conversation_after_warmup_compiles_nothing(warm, counter):
     # user turns of never-seen lengths (one longer than the largest encode bucket, 2 s), replies
     # of never-seen text lengths, each turn with all previous turns as context
     user_seconds = [0.37, 1.13, 2.93, 0.81, 1.71, 0.09, 4.4, 1.99, 0.55]
+    # Mimi codes one frame per 80 ms of audio, the last one partly filled: ceil(seconds / 0.08 s),
+    # worked out by hand (0.37 s -> 4.6 -> 5, 4.4 s -> exactly 55, ...)
+    user_frames = [5, 15, 37, 11, 22, 2, 55, 25, 7]
     replies = ["Hi.", "Sure, I can do that.", "Okay.", "Let me think about it for a moment.", "Yes!",
                "That is a long one, but fine.", "Two words.", "No.", "Here is the last answer of today."]
     context: list[Segment] = []
     prompt_rows = set()
-    for turn, (sec, text) in enumerate(zip(user_seconds, replies)):
+    for turn, (sec, text, frames) in enumerate(zip(user_seconds, replies, user_frames, strict=True)):
         pcm = _speech(sec, seed=turn)
         codes = engine.encode_user_audio(pcm)
-        assert codes.shape == (-(-(-(-len(pcm) * 3 // 2)) // FRAME_SIZE), 32)  # 16 -> 24 kHz, 80 ms frames
+        assert codes.shape == (frames, 32), (sec, codes.shape)
         context.append(Segment(speaker=1, text=f"user turn {turn}", codes=codes))
         s = engine.stream(text, context=context)
         prompt_rows.add(len(s.prompt_tokens))
@@ -89,16 +92,18 @@ def test_naive_compiled_encode_recompiles_for_a_new_length(warm, counter):
     assert counter.total > after_first
 
 
-@pytest.mark.parametrize("samples", [1, 1919, 1920, 5000, 13 * FRAME_SIZE, 13 * FRAME_SIZE + 1, 47_000,
-                                     25 * FRAME_SIZE, 25 * FRAME_SIZE + 7, 123_457])
-def test_bucketed_encode_equals_plain_encode(warm, samples):
+# (samples at 24 kHz, Mimi frames): one frame per 1920 samples (80 ms), the last one partly filled;
+# the frame counts worked out by hand, on both sides of the encode buckets (13 and 25 frames)
+@pytest.mark.parametrize("samples,frames", [(1, 1), (1919, 1), (1920, 1), (5000, 3), (24_960, 13), (24_961, 14),
+                                            (47_000, 25), (48_000, 25), (48_007, 26), (123_457, 65)])
+def test_bucketed_encode_equals_plain_encode(warm, samples, frames):
     engine = warm
     wav = (np.random.default_rng(samples).standard_normal(samples) * 0.3).astype(np.float32)
     before = engine.stats()["unseen_shape_calls"]
     got = engine.encode_wave(wav)
     with torch.inference_mode():
         ref = engine.mimi.encode(torch.from_numpy(wav).view(1, 1, -1))[0].T.numpy()
-    assert got.shape == ref.shape == (-(-samples // FRAME_SIZE), 32)
+    assert got.shape == ref.shape == (frames, 32)
     np.testing.assert_array_equal(got, ref)
     assert engine.stats()["unseen_shape_calls"] == before  # padded / pieced: only warmed shapes ran
 
