@@ -123,6 +123,15 @@ def test_spoken_and_typed_turns_in_order(backends):
     assert s.history[1]["content"] == "".join(m["text"] for m in rec.turn(1) if m["type"] == "response.text").strip()
 
 
+def _past_first_clause(msgs: list[dict], max_words: int) -> bool:
+    """The response.text in ``msgs`` goes on after its first clause (as the session splits it)."""
+    from pipeline.clauses import ClauseSplitter
+
+    text = "".join(m["text"] for m in msgs if m["type"] == "response.text")
+    clauses = ClauseSplitter(max_words=max_words).push(text)
+    return bool(clauses) and len(text.replace(" ", "")) > len(clauses[0].replace(" ", ""))
+
+
 def test_interruption_truncates_history_and_stops_audio(backends):
     async def go():
         rec = Recorder()
@@ -130,6 +139,9 @@ def test_interruption_truncates_history_and_stops_audio(backends):
         await s.start()
         await s.on_frame(P.client_text("Tell me a long story."))
         await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+        # Interrupt once the text sent runs past the first clause: the first clause plays for at least
+        # min_frames (480 ms), so the second cannot have started yet and the reply must be cut.
+        await rec.wait(lambda _: _past_first_clause(rec.turn(1), s.cfg.clause_max_words))
         await s.on_frame(P.client_text("Stop."))
         await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
         await s.close()
@@ -143,7 +155,9 @@ def test_interruption_truncates_history_and_stops_audio(backends):
     assert rec.msgs.index([m for m in rec.turn(2) if m["type"] == "transcript.final"][0]) > done_at
     full_reply = "".join(m["text"] for m in t1 if m["type"] == "response.text")
     said = s.history[1]["content"]
-    assert s.history[1]["role"] == "assistant" and said and len(said) < len(full_reply) + 1
+    assert s.history[1]["role"] == "assistant" and said
+    # truncated: the history keeps the clauses that had started playing, a proper prefix of the text sent
+    assert len(said.replace(" ", "")) < len(full_reply.replace(" ", "")), (said, full_reply)
     assert full_reply.replace(" ", "").startswith(said.replace(" ", ""))
     assert rec.turn(2)[-1]["interrupted"] is False
 
