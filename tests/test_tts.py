@@ -183,9 +183,12 @@ def test_stream_chunks_codes_and_active_requests(engine):
     ref16 = (ref.clamp(-1, 1) * 32767).round().numpy()
     assert np.abs(np.concatenate(chunks).astype(np.float64) - ref16).max() <= 4
 
-    # early close: the slot is released, and generation is reproducible
-    early = engine.stream(text)
+    # generation is reproducible: the same text and seed give the same first chunk (codes and audio);
+    # early close: the slot is released
+    early = engine.stream(text, seed=s.seed)
     first = next(early)
+    np.testing.assert_array_equal(first, chunks[0])
+    np.testing.assert_array_equal(early.codes, s.codes[: cfg.first_chunk_frames])
     assert engine.active_requests == 1 and early.row is not None
     early.close()
     assert engine.active_requests == 0 and early.frames == cfg.first_chunk_frames and early.row is None
@@ -269,6 +272,11 @@ def test_generated_codes_pass_through_as_context(engine):
     nxt.close()
     assert engine.active_requests == 0
 
-    # context that does not fit is dropped oldest-first, whole segments only
-    tokens, _ = engine.prompts.build(0, "Hi.", [bot, user], max_rows=20 + len(user_codes))
-    assert len(tokens) <= 20 + len(user_codes)
+    # context that does not fit is dropped oldest-first, whole segments only: room for the text, the
+    # newest segment (user) and part of the older one (bot) keeps the text and user, nothing of bot
+    user_rows, _ = engine.prompts.segment_rows(user)
+    text_rows, _ = engine.prompts.text_rows(0, "Hi.")
+    bot_rows, _ = engine.prompts.segment_rows(bot)
+    budget = len(user_rows) + len(text_rows) + len(bot_rows) // 2
+    tokens, _ = engine.prompts.build(0, "Hi.", [bot, user], max_rows=budget)
+    np.testing.assert_array_equal(tokens, np.concatenate([user_rows, text_rows]))
