@@ -57,6 +57,10 @@ def check_served_in_full(errors, results):
 
 
 def test_health_and_ready(server):
+    """/healthz answered 503 while the models were loading (ServeProcess polls it during
+    startup and returns at its first 200), then 200 once every model deployment serves."""
+    assert server.seen_503, "/healthz never answered 503 before its first 200 during startup"
+    assert server.startup_s is not None
     assert healthz() == 200
 
 
@@ -164,12 +168,18 @@ def test_bad_input_does_not_touch_other_sessions(server):
                         await bad.send(frame)
                     await asyncio.sleep(0.05)
             _, tr = await asyncio.gather(spam(), good.say_audio(speech_like(1.5, seed=42)))
+            # The server handles a session's frames in order: once the error for a last frame of
+            # an unknown type has come, every bad frame's error has come before it.
+            await bad.send(msgpack.packb({"type": "are-you-there"}))
+            await bad.wait_for(lambda m: m["type"] == "error" and "are-you-there" in m["message"], timeout=60)
             return good, tr, bad
 
     good, tr, bad = run(go())
     assert good.errors == []
     check_turn_order(tr)
-    assert len(bad.errors) >= len(BAD)
+    # one error per bad frame (docs/protocol.md, "Errors"), in the order sent, then the marker's
+    assert [e["code"] for e in bad.errors[:-1]] == [code for _, _, code in BAD] * 5
+    assert "are-you-there" in bad.errors[-1]["message"]
 
 
 def test_empty_turn_and_interruption(server):
