@@ -280,3 +280,39 @@ def test_generated_codes_pass_through_as_context(engine):
     budget = len(user_rows) + len(text_rows) + len(bot_rows) // 2
     tokens, _ = engine.prompts.build(0, "Hi.", [bot, user], max_rows=budget)
     np.testing.assert_array_equal(tokens, np.concatenate([user_rows, text_rows]))
+
+
+# -- 6. checkpoint errors ------------------------------------------------------------------------
+def test_checkpoint_errors_say_what_failed(monkeypatch, tmp_path):
+    """Not in the cache, gated, and on disk but unreadable are three different errors, each naming
+    the `hf download` command (huggingface-hub 2.x has no huggingface-cli)."""
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+    from transformers import CsmConfig
+
+    from pipeline.weights import CheckpointError, MissingCheckpointError
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("GAPLESS_ALLOW_DOWNLOAD", raising=False)
+    with pytest.raises(MissingCheckpointError, match="not found locally.*`hf download gapless-test/no-such-csm`"):
+        load_csm("gapless-test/no-such-csm")
+
+    gated = GatedRepoError.__new__(GatedRepoError)  # as the hub client raises it for a gated repo
+    Exception.__init__(gated, "Access to model gapless-test/gated is restricted.")
+
+    def refuse(*args, **kwargs):
+        raise gated
+
+    with monkeypatch.context() as m:
+        m.setattr(huggingface_hub, "snapshot_download", refuse)
+        with pytest.raises(CheckpointError, match="is gated.*`hf download gapless-test/gated`") as info:
+            load_csm("gapless-test/gated")
+    assert not isinstance(info.value, MissingCheckpointError) and info.value.__cause__ is gated
+
+    corrupt = tmp_path / "csm"  # a download cut short: config there, weights truncated
+    CsmConfig().save_pretrained(corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+    with pytest.raises(CheckpointError, match="is on this machine .* but could not be loaded") as info:
+        load_csm(str(corrupt))
+    assert not isinstance(info.value, MissingCheckpointError)

@@ -363,15 +363,19 @@ def load_csm(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     from safetensors.torch import load_file
     from transformers import CsmConfig
 
-    from pipeline.weights import require_pretrained
+    from pipeline.weights import reading_checkpoint, require_pretrained
 
     path = require_pretrained(path_or_id, what="CSM-1B", allow_patterns=["*.json", "*.safetensors"])
-    arch = arch_from_hf_config(CsmConfig.from_pretrained(path))
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        sd.update({k: v for k, v in load_file(f).items() if not k.startswith("codec_model.")})
-    with torch.device("meta"):
-        model = CSM(arch)
-    model.load_state_dict(map_hf_state_dict(sd, arch), strict=True, assign=True)
+    with reading_checkpoint("CSM-1B", path_or_id, path):
+        arch = arch_from_hf_config(CsmConfig.from_pretrained(path))
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors file under {path}")
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update({k: v for k, v in load_file(f).items() if not k.startswith("codec_model.")})
+        with torch.device("meta"):
+            model = CSM(arch)
+        model.load_state_dict(map_hf_state_dict(sd, arch), strict=True, assign=True)
     model.offsets = torch.arange(arch.num_codebooks) * arch.audio_vocab
     return model.to(device=device, dtype=dtype).eval()

@@ -53,12 +53,13 @@ def load_mimi(profile: str, name_or_path: str = "kyutai/moshiko-pytorch-bf16", d
     else:
         import os
 
-        from pipeline.weights import require_pretrained
+        from pipeline.weights import reading_checkpoint, require_pretrained
 
         path = require_pretrained(name_or_path, what="Mimi", allow_patterns=[MIMI_FILE])
         if os.path.isdir(path):
             path = os.path.join(path, MIMI_FILE)
-        mimi = loaders.get_mimi(path, device=device, num_codebooks=NUM_CODEBOOKS)
+        with reading_checkpoint("Mimi", name_or_path, path):
+            mimi = loaders.get_mimi(path, device=device, num_codebooks=NUM_CODEBOOKS)
     mimi.eval()
     warm_quantizer(mimi)
     return mimi
