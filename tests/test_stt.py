@@ -77,7 +77,8 @@ LIBRARY_PATHS = dict(kv_cache=False, fast_subsampling=False, decoder="frame_loop
 )
 def test_streaming_equals_offline(tiny, att, paths):
     """Streaming tokens == an offline pass of the model; with our fast paths and with every one of
-    them switched back to NeMo's/torch's (NeMo layer loop, masked subsampling, frame looping, nn.LSTM)."""
+    them switched back (NeMo's layer loop, NeMo's masked subsampling, nn.LSTM, and our own
+    frame-looping decoder instead of label looping)."""
     from pipeline.stt.decoding import greedy_decode_chunk
     from pipeline.stt.encoder import KVCacheLayersStep
 
