@@ -122,8 +122,5 @@ class InferenceThread:
         if not future.cancelled() and future.exception() is None:
             self.submit(getattr(future.result(), "close", lambda: None))
 
-    def on_thread(self) -> bool:
-        return threading.get_ident() == self.ident
-
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
