@@ -24,7 +24,9 @@ class AppArgs(BaseModel):
     """``args:`` of the app in serve_config.yaml. Unknown keys are errors, not ignored."""
 
     model_config = ConfigDict(extra="forbid")
-    profile: Literal["tiny", "real"] = "tiny"
+    # tiny: small random-weight models (CPU); full: random weights at the real models' shapes
+    # (GPU timing with no checkpoint, load/gpu_check.sh); real: the checkpoints.
+    profile: Literal["tiny", "full", "real"] = "tiny"
     device: Literal["cpu", "cuda"] = "cpu"
     stt: dict[str, Any] = {}
     llm: dict[str, Any] = {}
@@ -37,7 +39,7 @@ class AppArgs(BaseModel):
 
 
 def _engine_config(cls, profile: str, device: str, overrides: dict[str, Any]):
-    base = cls.tiny() if profile == "tiny" else cls.real()
+    base = {"tiny": cls.tiny, "full": cls.full, "real": cls.real}[profile]()
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = set(overrides) - fields
     if unknown:
@@ -46,6 +48,11 @@ def _engine_config(cls, profile: str, device: str, overrides: dict[str, Any]):
 
 
 def configs(args: AppArgs) -> dict[str, Any]:
+    """Every setting checked before anything starts: engines, then session, then auth (last, so a
+    typo elsewhere is reported as itself, not as a missing token)."""
+    engines = {"stt": _engine_config(STTConfig, args.profile, args.device, args.stt),
+               "llm": _engine_config(LLMConfig, args.profile, args.device, args.llm),
+               "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts)}
     session_fields = {f.name for f in dataclasses.fields(SessionConfig) if not f.name.startswith("on_")}
     unknown = set(args.session) - session_fields
     if unknown:
@@ -56,13 +63,7 @@ def configs(args: AppArgs) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown auth settings {sorted(unknown)}; known: {sorted(auth_fields)}")
     load_tokens(AuthConfig(**args.auth))  # mode token without a token stops `serve run` here
-    return {
-        "stt": _engine_config(STTConfig, args.profile, args.device, args.stt),
-        "llm": _engine_config(LLMConfig, args.profile, args.device, args.llm),
-        "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts),
-        "session": dict(args.session),
-        "auth": dict(args.auth),
-    }
+    return {**engines, "session": dict(args.session), "auth": dict(args.auth)}
 
 
 def build_app(args: dict[str, Any]) -> Application:

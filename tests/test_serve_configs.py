@@ -13,13 +13,19 @@ from deployments.app import AppArgs, configs
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _a_token(monkeypatch):
+    """serve_config.gpu.yaml has auth on and needs a token to build (tests/test_auth.py checks that)."""
+    monkeypatch.setenv("GAPLESS_TOKENS", "a-token-for-the-gpu-config")
+
+
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
 def test_serve_config_is_valid(name):
     cfg = yaml.safe_load((ROOT / name).read_text())
     schema = ServeDeploySchema.model_validate(cfg)
     app = schema.applications[0]
     built = configs(AppArgs(**app.args))
-    assert set(built) == {"stt", "llm", "tts", "session"}
+    assert set(built) == {"stt", "llm", "tts", "session", "auth"}
     deployments = {d.name: d for d in app.deployments}
     assert set(deployments) == {"Gateway", "STT", "LLM", "TTS"}
     # STT streams are hash-routed: a fixed replica count, never autoscaled (a ring change moves streams)
@@ -55,4 +61,13 @@ def test_served_profiles_are_hands_free(name):
 def test_bad_turn_taking_settings_stop_the_start():
     for bad in ({"turn_detection": "push"}, {"barge_in": "loud"}, {"vad_threshold": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            configs(AppArgs(session=bad))
+            configs(AppArgs(session=bad, auth={"mode": "none"}))
+
+
+def test_full_profile_is_random_weights_at_real_shapes():
+    """profile: full (load/gpu_check.sh): every engine at its real model's shape, no checkpoint."""
+    built = configs(AppArgs(profile="full", device="cuda", auth={"mode": "none"}))
+    stt, llm, tts = built["stt"], built["llm"], built["tts"]
+    assert (stt.profile, stt.model, stt.dtype) == ("full", None, "bfloat16")
+    assert llm.is_tiny and (llm.tiny_layers, llm.tiny_hidden, llm.tiny_intermediate) == (24, 896, 4864)
+    assert (tts.profile, tts.device) == ("full", "cuda")

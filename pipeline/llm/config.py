@@ -47,6 +47,7 @@ class LLMConfig:
     tiny_hidden: int = 64
     tiny_heads: int = 4
     tiny_kv_heads: int = 2
+    tiny_intermediate: int | None = None  # MLP width; None = 2 x tiny_hidden
 
     @classmethod
     def tiny(cls, **overrides) -> "LLMConfig":
@@ -63,6 +64,15 @@ class LLMConfig:
             device="cpu",
             dtype="float32",
         )
+        return replace(base, **overrides)
+
+    @classmethod
+    def full(cls, **overrides) -> "LLMConfig":
+        """Random weights with Qwen2.5-0.5B's transformer shape (24 layers of 896, 14/2 heads, MLP
+        4864) over the tiny tokenizer's vocabulary: GPU timing without a checkpoint."""
+        base = replace(cls.tiny(), tiny_layers=24, tiny_hidden=896, tiny_heads=14, tiny_kv_heads=2,
+                       tiny_intermediate=4864, max_new_tokens=128, history_tokens=1024, max_context_tokens=2048,
+                       device="cuda", dtype="bfloat16")
         return replace(base, **overrides)
 
     @classmethod

@@ -190,7 +190,7 @@ def build_tiny_model(cfg: LLMConfig, tokenizer) -> Any:
     mcfg = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.tiny_hidden,
-        intermediate_size=cfg.tiny_hidden * 2,
+        intermediate_size=cfg.tiny_intermediate or cfg.tiny_hidden * 2,
         num_hidden_layers=cfg.tiny_layers,
         num_attention_heads=cfg.tiny_heads,
         num_key_value_heads=cfg.tiny_kv_heads,

@@ -11,7 +11,9 @@ LOOKAHEADS = ([70, 13], [70, 6], [70, 1], [70, 0])
 
 @dataclass
 class STTConfig:
-    profile: str = "tiny"  # "tiny" (random weights, built in code) | "real" (a pretrained .nemo)
+    # "tiny" (random weights, built in code) | "full" (random weights at the nemotron-0.6b shape:
+    # GPU timing without a checkpoint) | "real" (a pretrained .nemo)
+    profile: str = "tiny"
     model: Optional[str] = None  # HF id or .nemo path (real); None = profile default
     att_context_size: list[int] = field(default_factory=lambda: [70, 13])
     num_slots: int = 8
@@ -47,13 +49,19 @@ class STTConfig:
         return cls(profile="tiny", **kw)
 
     @classmethod
+    def full(cls, **kw) -> "STTConfig":
+        kw.setdefault("device", "cuda")
+        kw.setdefault("dtype", "bfloat16")
+        return cls(profile="full", **kw)
+
+    @classmethod
     def real(cls, **kw) -> "STTConfig":
         kw.setdefault("model", cls.REAL_MODEL)
         return cls(profile="real", **kw)
 
     def __post_init__(self) -> None:
-        if self.profile not in ("tiny", "real"):
-            raise ValueError(f"STTConfig.profile must be 'tiny' or 'real', got {self.profile!r}")
+        if self.profile not in ("tiny", "full", "real"):
+            raise ValueError(f"STTConfig.profile must be 'tiny', 'full' or 'real', got {self.profile!r}")
         if self.profile == "real" and self.model is None:
             self.model = self.REAL_MODEL
         if self.framing not in ("exact", "nemo"):

@@ -290,6 +290,8 @@ def load_real_model(name_or_path: str, device: str = "cpu"):
 def load_model(cfg: STTConfig):
     if cfg.profile == "tiny":
         model = build_tiny_model(cfg)  # built and calibrated in float32
+    elif cfg.profile == "full":
+        model = build_shaped_model("full", cfg)
     else:
         model = load_real_model(cfg.model, cfg.device)
         model.encoder.set_default_att_context_size(list(cfg.att_context_size))
