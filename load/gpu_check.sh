@@ -34,13 +34,13 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log it, record 
 }
 
 if [ $DRY = 1 ]; then
-  STT="--size tiny --device cpu --dtype float32 --repeats 2"
+  STT="--size tiny --device cpu --dtype float32 --rounds 2"
   STT64="--streams 4 --batch 4"; STT256="--streams 8 --batch 8"
   TTS="--profile tiny --device cpu --widths 1,2 --frames 8 --rounds 1"
   STALL="--mimi tiny --no-gpu --seconds 1.37 --buckets 25"
   GAP_TURNS=3; LOAD_LEVELS=1,2; LOAD_S=8; BASE_CONFIG=serve_config.yaml; PROFILE=tiny
 else
-  STT="--size full --device cuda --dtype bfloat16 --repeats 5"
+  STT="--size full --device cuda --dtype bfloat16 --rounds 5"
   STT64="--streams 64 --batch 64"; STT256="--streams 256 --batch 256"
   TTS="--profile full --device cuda --widths 1,8,32 --frames 40 --rounds 3"
   STALL="--mimi full --seconds 1.37 2.71 --buckets 25 50"
@@ -80,8 +80,8 @@ serve_app() {  # start the app, wait for /healthz 200 (at most 150 s), run the g
   done
   echo "healthy after $((SECONDS - t0)) s"
   local rc=0
-  GAPLESS_TOKEN=$TOKEN $PY -m load.gap_test --turns $GAP_TURNS --out "$OUT_DIR/gap" || rc=1
-  GAPLESS_TOKEN=$TOKEN $PY -m load.load_test --sessions $LOAD_LEVELS --seconds $LOAD_S --no-progress \
+  GAPLESS_TOKEN=$TOKEN $PY -m load.gaps --turns $GAP_TURNS --out "$OUT_DIR/gap" || rc=1
+  GAPLESS_TOKEN=$TOKEN $PY -m load.concurrency --sessions $LOAD_LEVELS --seconds $LOAD_S --no-progress \
     --out "$OUT_DIR/load" || rc=1
   kill -TERM -- -$pid 2>/dev/null || kill -TERM $pid
   .venv/bin/ray stop --force > /dev/null 2>&1

@@ -1,7 +1,7 @@
 """Load test: N concurrent conversations against a server on loopback, for a bounded time.
 
-    python -m load.load_test --sessions 1,2,4 --seconds 60 --out out/load
-    python -m load.load_test --sessions 1 --idle 40      # one speaker beside 40 silent sockets
+    python -m load.concurrency --sessions 1,2,4 --seconds 60 --out out/load
+    python -m load.concurrency --sessions 1 --idle 40      # one speaker beside 40 silent sockets
 
 For each N it runs N conversations at once (typed and spoken turns, like the gap test) until
 the time is up, then reports p50/p95/p99 of the chunk gap and time to first audio, errors, and
@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from load.client import Conversation, add_token_argument
-from load.gap_test import SPOKEN, TYPED, spoken_audio
+from load.gaps import SPOKEN, TYPED, spoken_audio
 
 
 async def one_conversation(url: str, token: str | None, idx: int, deadline: float, t0: float, samples: list,

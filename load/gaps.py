@@ -1,6 +1,6 @@
 """Gap test: hold a multi-turn conversation and fail if any reply has dead air.
 
-    python -m load.gap_test --turns 10 --max-gap-ms 500 --out out/gap
+    python -m load.gaps --turns 10 --max-gap-ms 500 --out out/gap
 
 Turns alternate typed and spoken, each of a different length. Spoken turns come from WAV
 files synthesized with espeak-ng when it is installed (`apt-get install espeak-ng`), else from

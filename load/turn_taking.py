@@ -1,6 +1,6 @@
 """Turn-taking measurement against a running server (hands-free turns, barge-in, echo).
 
-    python -m load.turn_test [--url ws://127.0.0.1:8000/v1/conversation] [--rounds 10] [--out DIR]
+    python -m load.turn_taking [--url ws://127.0.0.1:8000/v1/conversation] [--rounds 10] [--out DIR]
 
 Four phases, one session each, all in real time with espeak-ng speech (load/speech.py):
 - hands-free: sentences with 0.3 s of silence before, no turn.end; per turn the voice-to-voice
