@@ -312,7 +312,8 @@ def test_server_busy_over_max_sessions(server):
 
     async def go():
         await _until_sessions_at_most(0)  # the sessions of earlier tests are gone
-        convs = [Conversation(URL) for _ in range(cap)]
+        # from 8 loopback addresses, so the replica's cap binds, not the per-client one
+        convs = [Conversation(URL, local_addr=(f"127.0.1.{1 + i % 8}", 0)) for i in range(cap)]
         for c in convs:
             await c.__aenter__()
         try:
