@@ -1,7 +1,7 @@
 """Streaming STT throughput: our STTEngine vs NeMo's own CacheAwareRNNTPipeline, same model and audio.
 
     python -m load.bench_stt [--size tiny|large|full] [--streams 16] [--batch 16] [--chunk 13]
-                             [--device cpu|cuda] [--dtype float32|bfloat16] [--compile] [--repeats N]
+                             [--device cpu|cuda] [--dtype float32|bfloat16] [--compile] [--rounds 5]
                              [--ablate] [--no-exact] [--offline-check] [--split-last] [--json out.jsonl]
 
 Both engines get the same model object (random weights, blank bias calibrated to ~0.3 tokens per
@@ -14,9 +14,14 @@ pip package; copied below with device/dtype/batch/chunk set from the options) an
 ``Frame`` requests through ``transcribe_step``. Audio framing is outside both timings (clips
 are in memory; NeMo's ``Frame`` objects are built before the clock starts).
 
-Reported per engine: RTFx (audio seconds / wall seconds of the stepping loop), per-step latency
-p50/p99, steps; then ``speedup`` = our RTFx / NeMo's, ``tokens_match`` (all streams token-identical)
-and ``streams_match``, and the token rate per encoder frame on the benchmark audio. ``--ablate`` adds
+Every engine first runs one untimed full pass, then ``--rounds`` timed rounds, each engine once per
+round in a random order. Reported per engine: RTFx (audio seconds / wall seconds of the stepping
+loop) median and range over the rounds, the median of its per-round ratio to NeMo's RTFx in the same
+round, per-step latency p50/p99 and steps of its median run. ``speedup`` is that paired median for
+ours vs NeMo (yaml settings); ``speedup_vs_tuned`` the same vs NeMo tuned (per-stream biasing off,
+the CUDA-graph decoder on CUDA). ``tokens_match`` (all streams token-identical to NeMo), tokens and
+step counts identical in every round, the exact framing's tokens vs an offline pass, and the token
+rate per encoder frame. The exit status is 1 if tokens differ from NeMo's or between rounds. ``--ablate`` adds
 our engine with each speed-up switched off in turn, to show what each one buys.
 """
 from __future__ import annotations
@@ -39,8 +44,10 @@ ABLATIONS = {
 }
 
 
-def nemo_pipeline_cfg(args, max_symbols: int):
-    """NeMo 3.0's cache_aware_rnnt.yaml (examples/asr/conf/asr_streaming_inference) with our settings."""
+def nemo_pipeline_cfg(args, max_symbols: int, tuned: bool = False):
+    """NeMo 3.0's cache_aware_rnnt.yaml (examples/asr/conf/asr_streaming_inference) with our settings.
+    ``tuned``: per-stream biasing off (the library's default; the yaml turns it on) and, on CUDA,
+    the CUDA-graph greedy decoder: the fastest NeMo we know how to configure."""
     from omegaconf import OmegaConf
 
     return OmegaConf.create(
@@ -58,8 +65,8 @@ def nemo_pipeline_cfg(args, max_symbols: int):
                     "preserve_alignments": False,
                     "fused_batch_size": -1,
                     "greedy": {
-                        "use_cuda_graph_decoder": False,
-                        "enable_per_stream_biasing": True,
+                        "use_cuda_graph_decoder": tuned and args.device == "cuda",
+                        "enable_per_stream_biasing": not tuned,
                         "preserve_frame_confidence": False,
                         "max_symbols": max_symbols,  # yaml: 10; the model's own value so both decode alike
                         "ngram_lm_model": None,
@@ -127,14 +134,14 @@ def nemo_pipeline_cfg(args, max_symbols: int):
     )
 
 
-def build_nemo_pipeline(model, args, max_symbols: int):
+def build_nemo_pipeline(model, args, max_symbols: int, tuned: bool = False):
     from nemo.collections.asr.inference.factory.pipeline_builder import PipelineBuilder
     from nemo.collections.asr.inference.model_wrappers.asr_inference_wrapper import ASRInferenceWrapper
 
     saved = ASRInferenceWrapper.__dict__["load_model"]
     ASRInferenceWrapper.load_model = staticmethod(lambda name, map_location: model.eval())
     try:
-        pipe = PipelineBuilder.build_pipeline(nemo_pipeline_cfg(args, max_symbols))
+        pipe = PipelineBuilder.build_pipeline(nemo_pipeline_cfg(args, max_symbols, tuned))
     finally:
         ASRInferenceWrapper.load_model = saved
     assert pipe.asr_model.asr_model is model
@@ -252,7 +259,7 @@ def make_audio(n: int, lo: float, hi: float, seed: int) -> list[np.ndarray]:
     return [speech_like_audio(float(rng.uniform(lo, hi)), seed=1000 + seed + i) for i in range(n)]
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="tiny", choices=["tiny", "large", "full"])
     ap.add_argument("--streams", type=int, default=16)
@@ -263,7 +270,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile our encoder layers (NeMo has no such knob)")
     ap.add_argument("--min-sec", type=float, default=None, help="shortest clip (default by size)")
     ap.add_argument("--max-sec", type=float, default=None, help="longest clip (default by size)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine (alternating); best RTFx kept")
+    ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=5,
+                    help="timed rounds; every engine once per round, in a random order (published rows: >= 5)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--glibc-malloc-defaults", action="store_true",
                     help="leave glibc's mmap/trim thresholds alone (default: keep large allocations, as the "
@@ -271,156 +279,219 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--split-last", action="store_true",
                     help="also run ours with last chunks in their own batch (NeMo's batch shapes) and compare tokens")
-    ap.add_argument("--offline-check", action="store_true", help="also compare both with an offline pass")
+    ap.add_argument("--offline-check", action="store_true",
+                    help="also compare NeMo's and ours-with-NeMo's-framing with an offline pass (the exact "
+                         "framing is always compared with one)")
     ap.add_argument("--no-exact", action="store_true", help="skip our default (offline-equal) framing")
+    ap.add_argument("--no-tuned", action="store_true", help="skip the tuned NeMo row")
     ap.add_argument("--ablate", action="store_true",
                     help="also run ours with each speed-up switched off in turn (" + ", ".join(ABLATIONS) + ")")
     ap.add_argument("--json", default=None, help="append the JSON line(s) to this file")
     args = ap.parse_args(argv)
+    if args.dtype == "bfloat16" and args.device == "cpu":
+        # NeMo's pipeline computes in float32 on CPU whatever it is told: a bf16 row there would
+        # time ours in bf16 against NeMo in fp32.
+        ap.error("--dtype bfloat16 needs --device cuda (NeMo's pipeline stays float32 on CPU)")
+    return args
 
+
+def _twin(model, att: list[int], device: str):
+    """Another model object with the same weights (the calibrated blank bias included)."""
+    twin = type(model)(cfg=model.cfg, trainer=None)
+    twin.load_state_dict(model.state_dict())
+    twin.encoder.set_default_att_context_size(att)
+    return twin.to(device).eval()
+
+
+class Bench:
+    """Everything timed, built once: the model, the clips, one runner per engine row."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+
+        from pipeline.stt.config import STTConfig
+        from pipeline.stt.engine import STTEngine
+        from pipeline.stt.model import build_shaped_model, offline_tokens
+
+        default_len = {"tiny": (4.0, 16.0), "large": (3.0, 10.0), "full": (2.0, 4.0)}[args.size]
+        self.lo = args.min_sec if args.min_sec is not None else default_len[0]
+        self.hi = args.max_sec if args.max_sec is not None else default_len[1]
+        self.att = [70, args.chunk]
+        t0 = time.perf_counter()
+        self.base_cfg = STTConfig.tiny(att_context_size=self.att, device=args.device, num_slots=args.batch,
+                                       compile=args.compile)
+        model = build_shaped_model(args.size, self.base_cfg)
+        self.calibration = getattr(model, "_gapless_calibration", {})
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.max_symbols = int(model.cfg.decoding.greedy.max_symbols)
+        print(f"# {args.size}: {self.n_params / 1e6:.1f} M params, built+calibrated in {time.perf_counter() - t0:.1f} s;"
+              f" calibration {self.calibration}", file=sys.stderr)
+        self.audios = make_audio(args.streams, self.lo, self.hi, args.seed)
+        self.audio_s = sum(len(a) for a in self.audios) / 16000
+        # the offline reference: before NeMo's wrapper swaps the decoding config
+        self.offline = [offline_tokens(model, a) for a in self.audios] if (args.offline_check or not args.no_exact) else None
+        # NeMo's pipeline as its yaml sets it up, and "tuned": per-stream biasing off (its library
+        # default), the CUDA-graph greedy decoder where there is CUDA
+        # (each pipeline on its own copy: NeMo's wrapper sets the decoding strategy on the model)
+        pipes = {"nemo": build_nemo_pipeline(model, args, self.max_symbols)}
+        if not args.no_tuned:
+            pipes["nemo_tuned"] = build_nemo_pipeline(_twin(model, self.att, args.device), args, self.max_symbols,
+                                                      tuned=True)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        if dtype != torch.float32:  # NeMo autocasts its float32 model; ours runs a copy with --dtype weights
+            model = _twin(model, self.att, args.device).to(dtype)
+        # ours with NeMo's chunking (same tokens as NeMo's pipeline), our default offline-equal
+        # framing, and (--ablate) ours with one speed-up at a time switched back to the library path
+        variants = {"ours": {"framing": "nemo"}}
+        if not args.no_exact:
+            variants["exact"] = {"framing": "exact"}
+        if args.ablate:
+            for name, off in ABLATIONS.items():
+                variants[name] = {"framing": "nemo", **off}
+        self.engines = {name: STTEngine(model, STTConfig(**{**self.base_cfg.__dict__, **kw}))
+                        for name, kw in variants.items()}
+        t = time.perf_counter()
+        for eng in self.engines.values():
+            eng.warmup()
+        self.warm_s = time.perf_counter() - t
+        self.chunk_ms = int(self.engines["ours"].n_next * 10)
+        self.runners = {name: (lambda p=p: run_nemo(p, self.audios, args.batch)) for name, p in pipes.items()}
+        for name, eng in self.engines.items():
+            self.runners[name] = lambda eng=eng: run_ours(eng, self.audios, args.batch)
+
+
+def time_rounds(runners: dict, rounds: int, audio_s: float, seed: int) -> dict[str, dict]:
+    """One untimed full pass of every engine (first-call and allocator costs alike for all), then
+    ``rounds`` rounds, each engine once per round in a random order. Per engine: its RTFx of every
+    round, step stats, and whether its tokens and step count were the same in every round."""
+    for fn in runners.values():
+        fn()
+    rng = np.random.default_rng(seed)
+    out = {name: {"rtfx": [], "runs": [], "tokens": None, "tokens_stable": True, "steps_stable": True}
+           for name in runners}
+    for _ in range(rounds):
+        for name in rng.permutation(list(runners)):
+            res, toks = runners[name]()
+            rec = out[name]
+            rec["rtfx"].append(audio_s / res["wall_s"])
+            rec["runs"].append(res)
+            if rec["tokens"] is None:
+                rec["tokens"] = toks
+            rec["tokens_stable"] &= toks == rec["tokens"]
+            rec["steps_stable"] &= res["steps"] == rec["runs"][0]["steps"]
+    return out
+
+
+def paired(out: dict, a: str, b: str) -> dict:
+    """Median, min and max over rounds of a's RTFx / b's RTFx in the same round."""
+    ratios = np.asarray(out[a]["rtfx"]) / np.asarray(out[b]["rtfx"])
+    return {"median": round(float(np.median(ratios)), 3), "min": round(float(ratios.min()), 3),
+            "max": round(float(ratios.max()), 3)}
+
+
+def _median_run(rec: dict) -> dict:
+    """The run whose RTFx is the median one (its step percentiles are reported)."""
+    order = np.argsort(rec["rtfx"])
+    return rec["runs"][int(order[len(order) // 2])]
+
+
+def report(args: argparse.Namespace, bench: Bench, out: dict) -> dict:
+    from pipeline.stt.model import encoder_frames
+
+    def same(a, b) -> str:
+        return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+
+    nemo_toks, our_toks = out["nemo"]["tokens"], out["ours"]["tokens"]
+    frames = sum(encoder_frames(len(a)) for a in bench.audios)
+    row = {
+        "size": args.size, "params_m": round(bench.n_params / 1e6, 1), "streams": args.streams, "batch": args.batch,
+        "att_context_size": bench.att, "chunk_ms": bench.chunk_ms, "device": args.device, "dtype": args.dtype,
+        "nemo_precision": "autocast over float32 weights (use_amp)" if args.dtype == "bfloat16" else "float32",
+        "compile": args.compile, "threads": args.threads,
+        "malloc": "glibc defaults" if args.glibc_malloc_defaults else "large allocations kept",
+        "audio_s": round(bench.audio_s, 2), "clip_s": [bench.lo, bench.hi], "rounds": args.rounds,
+        "order": "random per round",
+        # speedup: the median over rounds of ours / NeMo (yaml settings) in the same round
+        "speedup": paired(out, "ours", "nemo"),
+        "tokens_match": our_toks == nemo_toks, "streams_match": same(our_toks, nemo_toks),
+        "tokens_stable_across_rounds": all(r["tokens_stable"] for r in out.values()),
+        "steps_stable_across_rounds": all(r["steps_stable"] for r in out.values()),
+        "tokens_per_frame": round(sum(len(t) for t in our_toks) / frames, 3),
+        "nemo_tokens_per_frame": round(sum(len(t) for t in nemo_toks) / frames, 3),
+        "calibrated_tokens_per_frame": round(bench.calibration.get("tokens_per_frame", float("nan")), 3),
+        "max_symbols": bench.max_symbols, "warmup_s": round(bench.warm_s, 1), "engines": {},
+    }
+    for name, rec in out.items():
+        run = _median_run(rec)
+        row["engines"][name] = {
+            "rtfx_median": round(float(np.median(rec["rtfx"])), 2), "rtfx_min": round(min(rec["rtfx"]), 2),
+            "rtfx_max": round(max(rec["rtfx"]), 2), "vs_nemo": paired(out, name, "nemo"),
+            "step_p50_ms": run["step_p50_ms"], "step_p99_ms": run["step_p99_ms"], "steps": run["steps"],
+            "streams_match_nemo": same(rec["tokens"], nemo_toks)}
+    if "nemo_tuned" in out:
+        row["speedup_vs_tuned"] = paired(out, "ours", "nemo_tuned")
+    if bench.offline is not None:
+        if "exact" in out:
+            row["exact_eq_offline"] = same(out["exact"]["tokens"], bench.offline)
+        if args.offline_check:
+            row["ours_eq_offline"] = same(our_toks, bench.offline)
+            row["nemo_eq_offline"] = same(nemo_toks, bench.offline)
+    if args.split_last:
+        split_toks = run_ours(bench.engines["ours"], bench.audios, args.batch, split_last=True)[1]
+        row["split_last_vs_nemo"] = same(split_toks, nemo_toks)
+        row["split_last_vs_ours"] = same(split_toks, our_toks)
+    if our_toks != nemo_toks:
+        i = next(j for j, (a, b) in enumerate(zip(our_toks, nemo_toks)) if a != b)
+        k = next((j for j, (a, b) in enumerate(zip(our_toks[i], nemo_toks[i])) if a != b),
+                 min(len(our_toks[i]), len(nemo_toks[i])))
+        row["first_mismatch"] = {"stream": i, "at_token": k, "of": [len(our_toks[i]), len(nemo_toks[i])],
+                                 "ours": our_toks[i][k : k + 12], "nemo": nemo_toks[i][k : k + 12]}
+    return row
+
+
+def print_table(args: argparse.Namespace, bench: Bench, row: dict) -> None:
+    print(f"\n{args.size} ({row['params_m']} M), {args.streams} streams x {bench.lo:g}-{bench.hi:g} s "
+          f"({bench.audio_s:.1f} s audio), batch {args.batch}, chunk {row['chunk_ms']} ms {bench.att}, "
+          f"{args.device}/{args.dtype}{' compiled' if args.compile else ''}, {args.threads} thread(s), "
+          f"{args.rounds} rounds in random order")
+    print(f"{'engine':<20}{'RTFx median':>12}{'range':>18}{'vs nemo (paired)':>24}{'p50 ms':>9}{'p99 ms':>9}{'steps':>7}")
+    for name, e in row["engines"].items():
+        v = e["vs_nemo"]
+        print(f"{name:<20}{e['rtfx_median']:>12.2f}{e['rtfx_min']:>9.2f}-{e['rtfx_max']:<8.2f}"
+              f"{v['median']:>10.2f}x ({v['min']:.2f}-{v['max']:.2f}){e['step_p50_ms']:>9.1f}"
+              f"{e['step_p99_ms']:>9.1f}{e['steps']:>7}")
+    print("(nemo = NeMo's pipeline with its yaml's settings; nemo_tuned = per-stream biasing off, CUDA-graph "
+          "decoder on CUDA; ours = our engine with NeMo's chunking, token-identical to NeMo; exact = our "
+          "default, offline-equal framing; no_* / frame_loop = ours with that speed-up switched off)")
+    sp = row["speedup"]
+    print(f"speedup (median of paired per-round ratios) {sp['median']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f}), "
+          f"tokens_match {row['tokens_match']} ({row['streams_match']} streams), tokens stable across rounds "
+          f"{row['tokens_stable_across_rounds']}, steps stable {row['steps_stable_across_rounds']}"
+          + (f", exact == offline {row['exact_eq_offline']}" if "exact_eq_offline" in row else ""))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
     if not args.glibc_malloc_defaults:
         from pipeline.runtime import keep_large_allocations
 
-        keep_large_allocations()
-    from pipeline.stt.config import STTConfig
-    from pipeline.stt.engine import STTEngine
-    from pipeline.stt.model import build_shaped_model, encoder_frames, offline_tokens
-
-    default_len = {"tiny": (4.0, 16.0), "large": (3.0, 10.0), "full": (2.0, 4.0)}[args.size]
-    lo = args.min_sec if args.min_sec is not None else default_len[0]
-    hi = args.max_sec if args.max_sec is not None else default_len[1]
-    att = [70, args.chunk]
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-
-    t0 = time.perf_counter()
-    base_cfg = STTConfig.tiny(att_context_size=att, device=args.device, num_slots=args.batch, compile=args.compile)
-    model = build_shaped_model(args.size, base_cfg)
-    cal = getattr(model, "_gapless_calibration", {})
-    n_params = sum(p.numel() for p in model.parameters())
-    max_symbols = int(model.cfg.decoding.greedy.max_symbols)
-    print(f"# {args.size}: {n_params / 1e6:.1f} M params, built+calibrated in {time.perf_counter() - t0:.1f} s; "
-          f"calibration {cal}", file=sys.stderr)
-    audios = make_audio(args.streams, lo, hi, args.seed)
-    audio_s = sum(len(a) for a in audios) / 16000
-
-    ref = None
-    if args.offline_check:
-        ref = [offline_tokens(model, a) for a in audios]  # before NeMo's wrapper swaps the decoding config
-
-    pipe = build_nemo_pipeline(model, args, max_symbols)
-    if dtype != torch.float32:  # NeMo autocasts its float32 model; ours runs a copy with --dtype weights
-        twin = type(model)(cfg=model.cfg, trainer=None)
-        twin.load_state_dict(model.state_dict())
-        twin.encoder.set_default_att_context_size(att)
-        model = twin.to(args.device).to(dtype).eval()
-    # ours with NeMo's chunking (same tokens as NeMo's pipeline), our default offline-equal framing,
-    # and (--ablate) ours with one speed-up at a time switched back to the library/NeMo path
-    variants = {"ours": {"framing": "nemo"}}
-    if not args.no_exact:
-        variants["exact"] = {"framing": "exact"}
-    if args.ablate:
-        for name, off in ABLATIONS.items():
-            variants[name] = {"framing": "nemo", **off}
-    engines = {name: STTEngine(model, STTConfig(**{**base_cfg.__dict__, **kw})) for name, kw in variants.items()}
-    t = time.perf_counter()
-    for eng in engines.values():
-        eng.warmup()
-    warm_s = time.perf_counter() - t
-    # one untimed pass of each (allocator, first-call costs), then the timed runs, alternating
-    run_nemo(pipe, audios[: args.batch], args.batch)
-    runners = {"nemo": lambda: run_nemo(pipe, audios, args.batch)}
-    for name, eng in engines.items():
-        run_ours(eng, audios[: args.batch], args.batch)
-        runners[name] = lambda eng=eng: run_ours(eng, audios, args.batch)
-    best: dict = {name: None for name in runners}
-    for _ in range(max(1, args.repeats)):
-        for name, fn in runners.items():
-            res, toks = fn()
-            res["rtfx"] = audio_s / res["wall_s"]
-            if best[name] is None or res["rtfx"] > best[name][0]["rtfx"]:
-                best[name] = (res, toks)
-    (ours, our_toks), (nemo, nemo_toks) = best["ours"], best["nemo"]
-    split_toks = run_ours(engines["ours"], audios, args.batch, split_last=True)[1] if args.split_last else None
-    match = [a == b for a, b in zip(our_toks, nemo_toks)]
-    frames = sum(encoder_frames(len(a)) for a in audios)
-    row = {
-        "size": args.size,
-        "params_m": round(n_params / 1e6, 1),
-        "streams": args.streams,
-        "batch": args.batch,
-        "att_context_size": att,
-        "chunk_ms": int(engines["ours"].n_next * 10),
-        "device": args.device,
-        "dtype": args.dtype,
-        "compile": args.compile,
-        "threads": args.threads,
-        "malloc": "glibc defaults" if args.glibc_malloc_defaults else "large allocations kept",
-        "audio_s": round(audio_s, 2),
-        "clip_s": [lo, hi],
-        "ours_rtfx": round(ours["rtfx"], 2),
-        "nemo_rtfx": round(nemo["rtfx"], 2),
-        "speedup": round(ours["rtfx"] / nemo["rtfx"], 3),
-        "tokens_match": all(match),
-        "streams_match": f"{sum(match)}/{len(match)}",
-        "ours_step_p50_ms": ours["step_p50_ms"],
-        "ours_step_p99_ms": ours["step_p99_ms"],
-        "ours_steps": ours["steps"],
-        "nemo_step_p50_ms": nemo["step_p50_ms"],
-        "nemo_step_p99_ms": nemo["step_p99_ms"],
-        "nemo_steps": nemo["steps"],
-        "tokens_per_frame": round(sum(len(t) for t in our_toks) / frames, 3),
-        "nemo_tokens_per_frame": round(sum(len(t) for t in nemo_toks) / frames, 3),
-        "calibrated_tokens_per_frame": round(cal.get("tokens_per_frame", float("nan")), 3),
-        "max_symbols": max_symbols,
-        "warmup_s": round(warm_s, 1),
-    }
-    for name in engines:
-        if name == "ours":
-            continue
-        res, toks = best[name]
-        row[f"{name}_rtfx"] = round(res["rtfx"], 2)
-        row[f"{name}_speedup"] = round(res["rtfx"] / nemo["rtfx"], 3)
-        row[f"{name}_step_p50_ms"] = res["step_p50_ms"]
-        row[f"{name}_step_p99_ms"] = res["step_p99_ms"]
-        if name != "exact":
-            row[f"{name}_streams_match"] = f"{sum(a == b for a, b in zip(toks, nemo_toks))}/{len(audios)}"
-    if split_toks is not None:
-        row["split_last_vs_nemo"] = f"{sum(a == b for a, b in zip(split_toks, nemo_toks))}/{len(audios)}"
-        row["split_last_vs_ours"] = f"{sum(a == b for a, b in zip(split_toks, our_toks))}/{len(audios)}"
-    if ref is not None:
-        row["ours_eq_offline"] = f"{sum(a == b for a, b in zip(our_toks, ref))}/{len(ref)}"
-        if "exact" in best:
-            row["exact_eq_offline"] = f"{sum(a == b for a, b in zip(best['exact'][1], ref))}/{len(ref)}"
-        row["nemo_eq_offline"] = f"{sum(a == b for a, b in zip(nemo_toks, ref))}/{len(ref)}"
-    if not all(match):
-        i = match.index(False)
-        k = next((j for j, (a, b) in enumerate(zip(our_toks[i], nemo_toks[i])) if a != b),
-                 min(len(our_toks[i]), len(nemo_toks[i])))
-        row["first_mismatch"] = {"stream": i, "at_token": k, "of": [len(our_toks[i]), len(nemo_toks[i])],
-                                 "ours": our_toks[i][k : k + 12], "nemo": nemo_toks[i][k : k + 12]}
-
-    hdr = f"{'engine':<18}{'RTFx':>9}{'vs nemo':>9}{'p50 ms':>10}{'p99 ms':>10}{'steps':>7}"
-    print(f"\n{args.size} ({row['params_m']} M), {args.streams} streams x {lo:g}-{hi:g} s ({audio_s:.1f} s audio), "
-          f"batch {args.batch}, chunk {row['chunk_ms']} ms {att}, {args.device}/{args.dtype}"
-          f"{' compiled' if args.compile else ''}, {args.threads} thread(s)")
-    print(hdr)
-    for name in ["nemo", *engines]:
-        r = best[name][0]
-        print(f"{name:<18}{r['rtfx']:>9.2f}{r['rtfx'] / nemo['rtfx']:>8.2f}x{r['step_p50_ms']:>10.1f}"
-              f"{r['step_p99_ms']:>10.1f}{r['steps']:>7}")
-    print("(ours = our engine with NeMo's chunking, token-identical to NeMo; exact = our default, offline-equal "
-          "framing; no_* / frame_loop = ours with that speed-up switched off)")
-    print(f"speedup {row['speedup']:.2f}x, tokens_match {row['tokens_match']} ({row['streams_match']} streams), "
-          f"{row['tokens_per_frame']:.3f} tokens/frame")
+        if not keep_large_allocations():
+            raise SystemExit("keep_large_allocations() had no effect here (no glibc mallopt); "
+                             "pass --glibc-malloc-defaults to time with the C library's defaults")
+    bench = Bench(args)
+    out = time_rounds(bench.runners, args.rounds, bench.audio_s, args.seed)
+    row = report(args, bench, out)
+    print_table(args, bench, row)
     line = json.dumps(row)
     print(line)
     if args.json:
         with open(args.json, "a") as f:
             f.write(line + "\n")
-    return 0
+    ok = row["tokens_match"] and row["tokens_stable_across_rounds"] and row["steps_stable_across_rounds"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
