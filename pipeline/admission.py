@@ -65,9 +65,7 @@ class Gatekeeper:
     def admit(self, hs: Handshake) -> Admission:
         """Admit a conversation handshake, or raise Refused."""
         self._count_handshake(hs.address)
-        if not origin_allowed(hs.headers.get("origin"), hs.headers.get("host"), self.auth.cfg.allowed_origins):
-            raise Refused(E_ORIGIN_NOT_ALLOWED, f"origin {hs.headers.get('origin')!r} may not open sessions "
-                                                "here (auth.allowed_origins)")
+        self._check_origin(hs)
         try:
             self.auth.check(hs.headers, hs.query)
         except AuthError as exc:
@@ -81,8 +79,7 @@ class Gatekeeper:
     def issue_ticket(self, hs: Handshake) -> dict:
         """``POST /v1/session``: a single-use ticket for a browser's WebSocket handshake."""
         self._count_handshake(hs.address)
-        if not origin_allowed(hs.headers.get("origin"), hs.headers.get("host"), self.auth.cfg.allowed_origins):
-            raise Refused(E_ORIGIN_NOT_ALLOWED, f"origin {hs.headers.get('origin')!r} may not ask for tickets here")
+        self._check_origin(hs)
         try:
             self.auth.require_token(hs.headers)
         except AuthError as exc:
@@ -97,6 +94,11 @@ class Gatekeeper:
                 self.auth.require_token(headers)
             except AuthError as exc:
                 raise Refused(E_UNAUTHORIZED, str(exc)) from None
+
+    def _check_origin(self, hs: Handshake) -> None:
+        if not origin_allowed(hs.headers.get("origin"), hs.headers.get("host"), self.auth.cfg.allowed_origins):
+            raise Refused(E_ORIGIN_NOT_ALLOWED, f"origin {hs.headers.get('origin')!r} may not connect here "
+                                                "(auth.allowed_origins)")
 
     def _count_handshake(self, address: str) -> None:
         try:
