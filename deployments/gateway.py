@@ -24,7 +24,8 @@ from pipeline.auth import AuthConfig, Authenticator, load_tokens
 from pipeline.client_limits import ClientLimits
 from pipeline.connection import ClientGone, SessionRegistry, refuse_options, serve_connection, session_options
 from pipeline.listening import warm_listening
-from pipeline.session import EngineUnavailable, NoFreeSlot, SessionConfig
+from pipeline.session import Backends, EngineUnavailable, NoFreeSlot, SessionConfig
+from pipeline.tts.prompt import Segment
 
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None)
 log = logging.getLogger(__name__)
@@ -101,10 +102,11 @@ def _app_status(app_name: str):
     return serve.status().applications.get(app_name)
 
 
-class RayBackends:
-    """The session's view of the engines, through deployment handles. Every STT call of one
-    stream carries its id as the routing key, so the STT deployment's consistent-hash router
-    sends them all to the replica that holds the stream (UnknownStream comes back as itself)."""
+class RayBackends(Backends):
+    """The session's :class:`~pipeline.session.Backends` through deployment handles (its in-process
+    twin is ``pipeline.services.LocalBackends``). Every STT call of one stream carries its id as the
+    routing key, so the STT deployment's consistent-hash router sends them all to the replica that
+    holds the stream (UnknownStream comes back as itself)."""
 
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle):
         self.stt, self.llm, self.tts = stt, llm, tts
@@ -133,7 +135,7 @@ class RayBackends:
     def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]:
         return _remote_stream(self.llm.options(stream=True).stream.remote(messages))
 
-    def tts_stream(self, text: str, context: list) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+    def tts_stream(self, text: str, context: list[Segment]) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
         return _remote_stream(self.tts.options(stream=True).stream.remote(text, context))
 
     @_engine_call

@@ -16,7 +16,8 @@ import numpy as np
 
 from pipeline import metrics
 from pipeline.runtime import InferenceThread
-from pipeline.session import NoFreeSlot, UnknownStream
+from pipeline.session import Backends, NoFreeSlot, UnknownStream
+from pipeline.tts.prompt import Segment
 
 log = logging.getLogger(__name__)
 
@@ -276,8 +277,9 @@ class TTSService:
         return {"active_requests": self.engine.active_requests}
 
 
-class LocalBackends:
-    """The session's :class:`~pipeline.session.Backends` over in-process services (no Ray)."""
+class LocalBackends(Backends):
+    """The session's :class:`~pipeline.session.Backends` over in-process services (no Ray); its
+    twin over Ray deployment handles is ``deployments.gateway.RayBackends``."""
 
     def __init__(self, stt: STTService, llm: LLMService, tts: TTSService):
         self.stt, self.llm, self.tts = stt, llm, tts
@@ -308,7 +310,7 @@ class LocalBackends:
     def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]:
         return self.llm.stream(messages)
 
-    def tts_stream(self, text: str, context: list) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+    def tts_stream(self, text: str, context: list[Segment]) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
         return self.tts.stream(text, context)
 
     async def tts_encode(self, pcm: np.ndarray) -> np.ndarray:

@@ -33,6 +33,7 @@ import asyncio
 import logging
 import time
 import uuid
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
@@ -69,16 +70,28 @@ class Backends(Protocol):
     """What a session needs from the engines. Audio crosses as contiguous numpy arrays.
 
     One STT stream per spoken turn: ``stt_open`` takes a slot, ``stt_finish`` returns the turn's
-    transcript and gives the slot back, ``stt_close`` gives it back without one (idempotent)."""
+    transcript and gives the slot back, ``stt_close`` gives it back without one (idempotent).
+
+    The two implementations subclass this explicitly (``pipeline.services.LocalBackends``: the
+    services in this process; ``deployments.gateway.RayBackends``: deployment handles), so a type
+    checker verifies their signatures and a missing method fails at construction (abstract);
+    tests/test_backends.py compares both with it. Test doubles may stay duck-typed."""
 
     # Any call may raise EngineUnavailable; stt_push and stt_finish raise UnknownStream.
+    @abstractmethod
     async def stt_open(self, sid: str) -> None: ...  # raises NoFreeSlot; reopening an open sid restarts it
+    @abstractmethod
     async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]: ...  # [{"kind","text"}]
+    @abstractmethod
     async def stt_finish(self, sid: str) -> tuple[str, list[dict]]: ...  # (text, words with times); frees the slot
+    @abstractmethod
     async def stt_close(self, sid: str) -> None: ...
+    @abstractmethod
     def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]: ...
     # (int16 24 kHz chunk, Mimi codes [n, 32] of the frames that made it)
+    @abstractmethod
     def tts_stream(self, text: str, context: list[Segment]) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]: ...
+    @abstractmethod
     async def tts_encode(self, pcm: np.ndarray) -> np.ndarray: ...  # int16 16 kHz -> codes [T, 32]
 
 
