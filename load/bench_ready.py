@@ -91,9 +91,10 @@ def child(engine: str, root: str, overrides: dict, eager: bool = False) -> dict:
 
         eng.open("bench")
         eng.feed("bench", speech_like(3.0, seed=1).astype(np.float32) / 32768.0)
+        eng.end("bench")
+        tokens = []
         while eng.pending():
-            eng.step()
-        _, tokens, _ = eng.finish_result("bench")
+            tokens += [t for e in eng.step() if e.kind == "final" for t in e.tokens]
         eng.close("bench")
         checksum = float(sum((i + 1) * t for i, t in enumerate(tokens)))
     else:

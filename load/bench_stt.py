@@ -253,10 +253,10 @@ def run_ours(engine, audios: list[np.ndarray], batch: int, split_last: bool = Fa
 
 
 def make_audio(n: int, lo: float, hi: float, seed: int) -> list[np.ndarray]:
-    from pipeline.stt.model import speech_like_audio
+    from pipeline.audio import formant_speech
 
     rng = np.random.default_rng(seed)
-    return [speech_like_audio(float(rng.uniform(lo, hi)), seed=1000 + seed + i) for i in range(n)]
+    return [formant_speech(float(rng.uniform(lo, hi)), seed=1000 + seed + i) for i in range(n)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -311,7 +311,8 @@ class Bench:
 
         from pipeline.stt.config import STTConfig
         from pipeline.stt.engine import STTEngine
-        from pipeline.stt.model import build_shaped_model, offline_tokens
+        from pipeline.stt.model import build_shaped_model
+        from pipeline.stt.reference import offline_tokens
 
         default_len = {"tiny": (4.0, 16.0), "large": (3.0, 10.0), "full": (2.0, 4.0)}[args.size]
         self.lo = args.min_sec if args.min_sec is not None else default_len[0]
@@ -396,7 +397,7 @@ def _median_run(rec: dict) -> dict:
 
 
 def report(args: argparse.Namespace, bench: Bench, out: dict) -> dict:
-    from pipeline.stt.model import encoder_frames
+    from pipeline.stt.reference import encoder_frames
 
     def same(a, b) -> str:
         return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"

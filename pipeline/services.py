@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from pipeline import metrics
 from pipeline.runtime import InferenceThread
 from pipeline.session import Backends, NoFreeSlot, UnknownStream
 from pipeline.tts.prompt import Segment
+
+if TYPE_CHECKING:
+    from pipeline.stt.engine import STTEvent
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class STTService:
         # so a step that finishes after its stream closed leaves nothing behind.
         self._outbox: dict[str, list[dict]] = {}
         self._last_call: dict[str, float] = {}  # stream id -> monotonic time of its last call
+        self._finals: dict[str, "STTEvent"] = {}  # an ended stream's final event, until finish takes it
         self._step_lock = asyncio.Lock()
 
     async def open(self, sid: str) -> str | None:
@@ -122,31 +126,36 @@ class STTService:
                 metrics.STT_STEP.observe(time.perf_counter() - t0)
                 for ev in events:
                     outbox = self._outbox.get(ev.stream_id)
-                    if outbox is not None:  # closed while this step ran: nobody will collect them
+                    if outbox is None:  # closed while this step ran: nobody will collect them
+                        continue
+                    if ev.kind == "final":
+                        self._finals[ev.stream_id] = ev
+                    else:
                         outbox.append({"kind": ev.kind, "text": ev.text})
 
     async def finish(self, sid: str) -> tuple[str, list[dict]]:
         """The turn's final text and its words with times (ms from the turn's first recognised
-        audio); the slot is free again when this returns, even if decoding failed."""
+        audio). The turn's last chunk is decoded in the same batched steps as other streams'
+        chunks; the slot is free again when this returns, even if decoding failed."""
         self._known(sid)
-        self._outbox.pop(sid, None)
-        self._last_call.pop(sid, None)
         try:
-            text, _, words = await self.thread.run(self._finish_and_close, sid)
+            await self.thread.run(self.engine.end, sid)
+            await self._drain()  # steps until nothing is due: the stream's final came in one of them
+            final = self._finals.pop(sid, None)
+            if final is None:
+                raise RuntimeError(f"STT stream {sid!r} ended without a final transcript")
+            return final.text, final.words
         finally:
+            self._outbox.pop(sid, None)
+            self._finals.pop(sid, None)
+            self._last_call.pop(sid, None)
+            await self.thread.run(self.engine.close, sid)
             self._export_active()
-        return text, words
-
-    def _finish_and_close(self, sid: str) -> tuple[str, list[int], list[dict]]:
-        """On the inference thread: one hop for the last chunk and the slot's release."""
-        try:
-            return self.engine.finish_result(sid)
-        finally:
-            self.engine.close(sid)
 
     async def close(self, sid: str) -> None:
         """Give the slot back without a transcript (session gone); closing twice is harmless."""
         self._outbox.pop(sid, None)
+        self._finals.pop(sid, None)
         self._last_call.pop(sid, None)
         await self.thread.run(self.engine.close, sid)
         self._export_active()

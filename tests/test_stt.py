@@ -1,15 +1,16 @@
 """Streaming recogniser engine (pipeline/stt) on the tiny random-weight cache-aware FastConformer RNNT."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
+from pipeline.audio import formant_speech
+from pipeline.stt.calibration import set_blank_bias
 from pipeline.stt.config import STTConfig
 from pipeline.stt.engine import NoFreeSlotError, STTEngine
-from pipeline.stt.model import build_tiny_model, offline_tokens, set_blank_bias, speech_like_audio
+from pipeline.stt.model import build_tiny_model
+from pipeline.stt.reference import offline_tokens
 
 torch.set_num_threads(1)
 
@@ -27,11 +28,21 @@ def _engine(tiny, **kw) -> STTEngine:
     return STTEngine(model, STTConfig(**fields))
 
 
-def _feed_randomly(engine, audios, rng, *, start_step=None, close_after=None, end_ids=(), piece=(200, 9000)):
+def _final(engine, sid):
+    """End ``sid``'s utterance and step until its "final" event (``sid`` is the only stream with audio)."""
+    engine.end(sid)
+    finals = []
+    while engine.pending():
+        finals += [e for e in engine.step() if e.kind == "final"]
+    assert [e.stream_id for e in finals] == [sid]
+    return finals[0]
+
+
+def _feed_randomly(engine, audios, rng, *, start_step=None, close_after=None, piece=(200, 9000)):
     """Feed streams in random-size pieces, one engine step per round; returns {id: tokens} of the final.
 
-    Streams in ``end_ids`` end with ``end()`` (their last chunk rides in a batched step and comes
-    back as a "final" event); the others with a synchronous ``finish()``.
+    A stream whose audio is all fed ends with ``end()``: its last chunk rides in a batched step
+    with other streams' chunks and comes back as a "final" event.
     """
     start_step = start_step or {sid: 0 for sid in audios}
     pos = {sid: 0 for sid in audios}
@@ -54,13 +65,8 @@ def _feed_randomly(engine, audios, rng, *, start_step=None, close_after=None, en
                 engine.close(e.stream_id)
         for sid, pcm in audios.items():
             if sid not in out and sid in engine.active_streams and pos[sid] >= len(pcm):
-                if sid in end_ids:
-                    if not engine._streams[sid].ending:
-                        engine.end(sid)
-                else:
-                    text, toks = engine.finish_tokens(sid)
-                    out[sid] = toks
-                    engine.close(sid)
+                if not engine._streams[sid].ending:
+                    engine.end(sid)
         if close_after and rnd == close_after[0]:
             engine.close(close_after[1])  # a disconnect mid-utterance
             out[close_after[1]] = None
@@ -85,12 +91,12 @@ def test_streaming_equals_offline(tiny, att, paths):
     cfg, model = tiny
     engine = _engine(tiny, att_context_size=att, **paths)
     fast = (isinstance(engine.enc_step, KVCacheLayersStep), engine._fast_pre is not None,
-            engine._decode is not greedy_decode_chunk, engine.pred.unrolled)
+            engine._decode_chunk is not greedy_decode_chunk, engine.pred.unrolled)
     assert fast == ((False,) * 4 if paths else (True,) * 4)
     rng = np.random.default_rng(1)
     durations = [0.4, 1.13, 2.37, 3.01, 4.55] if att == [70, 13] else [0.3, 1.37, 2.2]
-    audios = {f"s{i}": speech_like_audio(d, seed=10 + i) for i, d in enumerate(durations)}
-    got, events = _feed_randomly(engine, dict(list(audios.items())[:4]), rng, end_ids={"s1", "s2"})
+    audios = {f"s{i}": formant_speech(d, seed=10 + i) for i, d in enumerate(durations)}
+    got, events = _feed_randomly(engine, dict(list(audios.items())[:4]), rng)
     if len(audios) > 4:  # the fifth reuses a freed slot
         more, ev2 = _feed_randomly(engine, dict(list(audios.items())[4:]), rng)
         got.update(more)
@@ -102,13 +108,13 @@ def test_streaming_equals_offline(tiny, att, paths):
         total += len(ref)
     assert total > 10  # the calibrated model does emit tokens
     assert all(e.kind in ("partial", "endpoint", "final") for e in events)
-    assert {e.stream_id for e in events if e.kind == "final"} == {"s1", "s2"}
+    assert sorted(e.stream_id for e in events if e.kind == "final") == sorted(audios)  # one final each
     model.encoder.set_default_att_context_size(list(cfg.att_context_size))
 
 
 def test_batch_invariance_join_leave(tiny):
     rng = np.random.default_rng(2)
-    audios = {f"b{i}": speech_like_audio(d, seed=20 + i) for i, d in enumerate([5.9, 4.7, 6.6, 3.2])}
+    audios = {f"b{i}": formant_speech(d, seed=20 + i) for i, d in enumerate([5.9, 4.7, 6.6, 3.2])}
     alone = {}
     for sid, pcm in audios.items():
         engine = _engine(tiny)
@@ -118,14 +124,13 @@ def test_batch_invariance_join_leave(tiny):
     batches = []
     advance = engine._advance
     engine._advance = lambda streams, last: (batches.append((len(streams), sum(last))), advance(streams, last))[1]
-    audios["gone"] = speech_like_audio(5.0, seed=99)
+    audios["gone"] = formant_speech(5.0, seed=99)
     together, _ = _feed_randomly(
         engine,
         audios,
         rng,
         start_step={"b0": 0, "b1": 1, "b2": 2, "b3": 4, "gone": 0},
         close_after=(2, "gone"),
-        end_ids={"b1", "b3"},
         piece=(10000, 30000),
     )
     for sid in alone:
@@ -137,17 +142,17 @@ def test_batch_invariance_join_leave(tiny):
 
 def test_partials_concatenate_to_final(tiny):
     engine = _engine(tiny)
-    pcm = speech_like_audio(3.3, seed=7)
+    pcm = formant_speech(3.3, seed=7)
     engine.open("p")
     partials = []
     for i in range(0, len(pcm), 4000):
         engine.feed("p", pcm[i : i + 4000])
         while engine.pending():
             partials += [e.text for e in engine.step() if e.kind == "partial"]
-    final = engine.finish("p")
+    final = _final(engine, "p").text
     assert len(partials) >= 2 and all(partials), partials  # partials did arrive, each a non-empty delta
     assert final.startswith("".join(partials)), (partials, final)
-    assert engine.tokens("p") == []  # reset for a new utterance, slot kept
+    assert engine._streams["p"].tokens == []  # reset for a new utterance, slot kept
     assert engine.active_streams == ["p"]
 
 
@@ -170,36 +175,54 @@ def test_word_timings_from_emission_frames(tiny):
     assert word_timings(tok, [], [], 80) == []
 
 
-def test_finish_result_words_match_text_and_audio(tiny):
+def test_final_words_match_text_and_audio(tiny):
     engine = _engine(tiny)
-    pcm = speech_like_audio(3.7, seed=8)
+    pcm = formant_speech(3.7, seed=8)
     engine.open("w")
     engine.feed("w", pcm)
-    text, tokens, words = engine.finish_result("w")
+    final = _final(engine, "w")
+    text, tokens, words = final.text, final.tokens, final.words
     assert tokens and words
+    # the same words and times as NeMo's offline pass, whose decoder records each token's frame
+    from pipeline.stt.engine import word_timings
+    from pipeline.stt.reference import offline_tokens_and_frames
+
+    ref_tokens, ref_frames = offline_tokens_and_frames(tiny[1], pcm)
+    assert len(ref_frames) == len(ref_tokens) and len(set(ref_frames)) > 3  # frames over the utterance
+    assert words == word_timings(engine.tokenizer, ref_tokens, ref_frames, 80)
     assert " ".join(w["word"] for w in words) == text.strip()
     assert all(0 <= w["start_ms"] < w["end_ms"] for w in words)
     assert [w["start_ms"] for w in words] == sorted(w["start_ms"] for w in words)
     assert words[-1]["end_ms"] <= len(pcm) / 16 + 80  # within the audio (one frame of rounding)
 
 
-def test_bfloat16_engine(tiny, tmp_path):
+def test_bfloat16_engine(tiny):
     """dtype bfloat16 (the GPU setting) loads the model in bf16, keeps the slot state in bf16 and the
-    audio in float32 up to the features, and recognises speech; unknown dtypes are refused."""
+    audio in float32 up to the features; its streaming tokens match the same bf16 model's offline
+    pass (bf16 rounding differs between a chunked and a whole-utterance pass, so not always token
+    for token: measured 4 of 6 clips exact, the others 0.90-0.95 similar); unknown dtypes are refused."""
+    import difflib
+
     from pipeline.stt.model import load_model
 
-    cfg, model = tiny
+    cfg, _ = tiny
     bf = STTConfig(**{**cfg.__dict__, "dtype": "bfloat16"})
     m16 = load_model(bf)
     assert {p.dtype for p in m16.parameters()} == {torch.bfloat16}
     engine = STTEngine(m16, bf)
     assert engine.caches[0].dtype == engine.hc.dtype == torch.bfloat16
-    pcm = speech_like_audio(3.0, seed=5)
-    engine.open("b")
-    engine.feed("b", pcm)
-    text, tokens, words = engine.finish_result("b")
-    ref = offline_tokens(model, pcm)
-    assert text and words and 0.5 * len(ref) <= len(tokens) <= 1.5 * len(ref)
+    exact, similarity = 0, []
+    for seed in range(5, 11):
+        pcm = formant_speech(3.0, seed=seed)
+        engine.open("b")
+        engine.feed("b", pcm)
+        final = _final(engine, "b")
+        engine.close("b")
+        ref = offline_tokens(m16, pcm)
+        assert ref and final.text and final.words
+        exact += final.tokens == ref
+        similarity.append(difflib.SequenceMatcher(a=final.tokens, b=ref).ratio())
+    assert exact >= 3 and np.mean(similarity) >= 0.9, (exact, similarity)
     with pytest.raises(ValueError, match="dtype"):
         STTConfig(dtype="int8")
 
@@ -220,7 +243,7 @@ def test_slot_exhaustion_and_close(tiny):
 def _run_until_endpoint(tiny, endpoint_ms):
     cfg, model = tiny
     engine = _engine(tiny, att_context_size=[70, 1], endpoint_ms=endpoint_ms)  # 160 ms chunks
-    pcm = speech_like_audio(8.0, seed=3)
+    pcm = formant_speech(8.0, seed=3)
     engine.open("e")
     hop = 2 * 8 * 160
     fed, muted_at_ms, endpoint_at_ms = 0, None, None
@@ -261,10 +284,10 @@ def test_warmup_then_serve(tiny):
     engine = _engine(tiny, num_slots=2)
     engine.warmup()
     assert engine.active_streams == []
-    pcm = speech_like_audio(1.5, seed=4)
+    pcm = formant_speech(1.5, seed=4)
     engine.open("w")
     engine.feed("w", pcm)
-    assert engine.finish_tokens("w")[1] == offline_tokens(tiny[1], pcm)
+    assert _final(engine, "w").tokens == offline_tokens(tiny[1], pcm)
     with pytest.raises(RuntimeError):
         engine.warmup()
 
@@ -287,22 +310,23 @@ def test_real_profile_loads_a_nemo_file(tiny, tmp_path):
     model.save_to(path)
     engine = STTEngine.from_config(STTConfig.real(model=path, num_slots=2))
     assert engine.model is not model
-    pcm = speech_like_audio(2.5, seed=6)
+    pcm = formant_speech(2.5, seed=6)
     engine.open("r")
     engine.feed("r", pcm)
-    assert engine.finish_tokens("r")[1] == offline_tokens(model, pcm)
+    assert _final(engine, "r").tokens == offline_tokens(model, pcm)
 
 
-@pytest.mark.skipif(os.environ.get("GAPLESS_SLOW_TESTS") != "1", reason="compiles for ~30-60 s; GAPLESS_SLOW_TESTS=1")
 def test_compiled_encoder_no_recompiles(tiny):
+    """Inductor, as serve_config.gpu.yaml compiles STT: after warm-up, serving two streams of other
+    lengths compiles nothing (the stance would raise) and gives the offline tokens (~25 s here)."""
     from torch._dynamo.utils import counters
 
     engine = _engine(tiny, num_slots=2, compile=True, stance_after_warmup="fail_on_recompile")
     try:
         engine.warmup()
         graphs = counters["stats"]["unique_graphs"]
-        audios = {"c0": speech_like_audio(2.9, seed=1), "c1": speech_like_audio(1.3, seed=2)}
-        got, _ = _feed_randomly(engine, audios, np.random.default_rng(3), end_ids={"c1"}, piece=(8000, 20000))
+        audios = {"c0": formant_speech(2.9, seed=1), "c1": formant_speech(1.3, seed=2)}
+        got, _ = _feed_randomly(engine, audios, np.random.default_rng(3), piece=(8000, 20000))
     finally:
         torch.compiler.set_stance("default")
     assert counters["stats"]["unique_graphs"] == graphs
@@ -333,8 +357,10 @@ def test_compile_covers_every_batch_width(tiny):
         assert warm - before == 10
         widths.clear()
         for n in (10, 9, 3):
-            audios = {f"{n}-{i}": speech_like_audio(1.2 + 0.3 * i, seed=50 + i) for i in range(n)}
-            got, _ = _feed_randomly(engine, audios, rng, end_ids=set(list(audios)[::2]), piece=(6000, 14000))
+            audios = {f"{n}-{i}": formant_speech(1.2 + 0.3 * i, seed=50 + i) for i in range(n)}
+            # n = 9 in equal pieces: all nine first chunks are due in the same step (width 9)
+            piece = (20000, 20001) if n == 9 else (6000, 14000)
+            got, _ = _feed_randomly(engine, audios, rng, piece=piece)
             if n == 10:
                 for sid in list(audios)[:3]:
                     assert got[sid] == offline_tokens(tiny[1], audios[sid]), sid
@@ -476,7 +502,7 @@ def _split_last(engine):
 def test_mixed_last_batch_equals_split_batch(tiny, framing):
     """A step whose batch mixes last and non-last chunks gives the same tokens, token for token,
     as the old path that decodes the last chunks in a step of their own."""
-    audios = {f"m{i}": speech_like_audio(d, seed=40 + i) for i, d in enumerate([1.3, 4.1, 2.6, 5.2])}
+    audios = {f"m{i}": formant_speech(d, seed=40 + i) for i, d in enumerate([1.3, 4.1, 2.6, 5.2])}
 
     def run(split: bool):
         engine = _engine(tiny, framing=framing)
@@ -516,7 +542,7 @@ def test_fast_features_and_pre_encode_match_nemo(tiny):
     eng = _engine(tiny, framing="nemo")
     assert eng._features.fast and eng._fast_pre is not None
     w = 18080
-    x = torch.from_numpy(np.stack([speech_like_audio(w / 16000, seed=i)[:w] for i in range(3)]))
+    x = torch.from_numpy(np.stack([formant_speech(w / 16000, seed=i)[:w] for i in range(3)]))
     for xl in (torch.full((3,), w), torch.tensor([w, w - 3000, 900])):
         assert torch.equal(eng._features(x, xl), model.preprocessor(input_signal=x, length=xl)[0])
     # all rows full-length: the masks are skipped; every frame before len // hop is still bitwise NeMo's

@@ -14,11 +14,14 @@ from pipeline.stt.engine import NoFreeSlotError, STTEvent
 
 
 class StubEngine:
-    """Each step emits one partial for every open stream fed since the last step."""
+    """Each step emits one partial for every open stream fed since the last step, and a final
+    for every stream ended since the last step."""
 
     def __init__(self, num_slots: int = 64):
         self.num_slots = num_slots
         self._fed: dict[str, bool] = {}  # open streams: fed since the last step?
+        self._ending: set[str] = set()
+        self.ended = asyncio.Event()  # set by end()
         self.closed: list[str] = []
 
     @property
@@ -33,23 +36,29 @@ class StubEngine:
         self._fed[sid] = False
 
     def close(self, sid: str) -> None:
+        self._ending.discard(sid)
         if self._fed.pop(sid, None) is not None:
             self.closed.append(sid)
 
     def feed(self, sid: str, audio) -> None:
         self._fed[sid] = True
 
+    def end(self, sid: str) -> None:
+        self._ending.add(sid)
+        self.ended.set()
+
     def pending(self) -> bool:
-        return any(self._fed.values())
+        return any(self._fed.values()) or bool(self._ending)
 
     def step(self) -> list[STTEvent]:
         due = [sid for sid, fed in self._fed.items() if fed]
         for sid in due:
             self._fed[sid] = False
-        return [STTEvent(sid, "partial", f"<{sid}>") for sid in due]
-
-    def finish_result(self, sid: str):
-        return f"<{sid} final>", [], []
+        events = [STTEvent(sid, "partial", f"<{sid}>") for sid in due]
+        if not due:  # an ended stream's final comes after its last chunk's step
+            events += [STTEvent(sid, "final", f"<{sid} final>", [], []) for sid in sorted(self._ending)]
+            self._ending.clear()
+        return events
 
 
 class HeldStepThread:
@@ -76,7 +85,9 @@ PCM = np.zeros(160, np.int16)
 @pytest.mark.parametrize("end", ["close", "finish"])
 def test_events_of_a_stream_ended_mid_step_are_dropped(end):
     """B's push steps A's chunk too; A's turn ends while that step's result is in flight. A's
-    events must not be kept (a leak per turn), nor reach A's next turn."""
+    events must not be kept (a leak per turn), nor reach A's next turn. ``close`` returns while
+    the step is in flight; ``finish`` marks the end then, and its final comes from a later step
+    of the same drain."""
 
     async def go():
         engine, thread = StubEngine(), HeldStepThread()
@@ -86,8 +97,14 @@ def test_events_of_a_stream_ended_mid_step_are_dropped(end):
         thread.hold_next_step = True
         push_b = asyncio.create_task(svc.push("b", PCM))
         await asyncio.wait_for(thread.step_ran.wait(), 5)
-        ended = await getattr(svc, end)("a")
-        thread.release.set()
+        ending = asyncio.create_task(getattr(svc, end)("a"))
+        if end == "close":
+            ended = await asyncio.wait_for(ending, 5)
+            thread.release.set()
+        else:
+            await asyncio.wait_for(engine.ended.wait(), 5)  # A's end is marked, its chunk's step in flight
+            thread.release.set()
+            ended = await asyncio.wait_for(ending, 5)
         events_b = await asyncio.wait_for(push_b, 5)
         kept = sorted(svc._outbox)
         await svc.open("a")  # A's next turn

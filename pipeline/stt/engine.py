@@ -31,7 +31,7 @@ class NoFreeSlotError(RuntimeError):
 @dataclass
 class STTEvent:
     stream_id: str
-    kind: str  # "partial" (text = delta) | "endpoint" | "final" (text = whole utterance, after end())
+    kind: str  # "partial" (text = delta) | "endpoint" | "final" (text = the whole utterance, after end())
     text: str = ""
     tokens: Optional[list[int]] = None  # "final" only
     words: Optional[list[dict]] = None  # "final" only: [{"word", "start_ms", "end_ms"}]
@@ -80,6 +80,17 @@ class _Stream:
         self.endpointed = False
         self.ending = False  # end() called: the next step decodes the remainder as the last chunk
 
+    def record(self, labels: np.ndarray, frames: np.ndarray, n_frames: int) -> None:
+        """Take one chunk's decoding: labels (-1: none) with their frames in the chunk, and the
+        chunk's encoder frame count."""
+        emitted = labels >= 0
+        if emitted.any():
+            self.tokens.extend(int(v) for v in labels[emitted])
+            self.token_frames.extend(self.enc_frames + int(v) for v in frames[emitted])
+            self.last_token_frame = self.enc_frames + int(frames[emitted][-1])
+            self.endpointed = False
+        self.enc_frames += n_frames
+
 
 class STTEngine:
     sample_rate = 16000
@@ -125,7 +136,7 @@ class STTEngine:
         self.max_symbols = int(greedy.get("max_symbols", None) or 10)
         self.pred = PredictionStep(model.decoder, unrolled=cfg.unrolled_lstm)
         self.tokenizer = model.tokenizer
-        self._decode = label_loop_decode_chunk if cfg.decoder == "label_loop" else greedy_decode_chunk
+        self._decode_chunk = label_loop_decode_chunk if cfg.decoder == "label_loop" else greedy_decode_chunk
         S = cfg.num_slots
         self.num_slots = S
         # --- per-slot device state ---
@@ -208,8 +219,10 @@ class STTEngine:
             st.total += pcm.size
 
     def end(self, stream_id: str) -> None:
-        """Mark the utterance complete: a later step() decodes its remainder as the last chunk in the
-        same batch as other streams' chunks and returns a "final" event (the batched ``finish``)."""
+        """Mark the utterance complete. The steps that follow decode its remainder (its last,
+        short chunk batched with other streams' chunks) and then return its "final" event with
+        the whole text, tokens and word times; the stream stays open, reset for a new utterance.
+        This is the one way an utterance ends: serving, tests and benchmarks all use it."""
         self._get(stream_id).ending = True
 
     def pending(self) -> bool:
@@ -240,37 +253,12 @@ class STTEngine:
             st.reset()
         return events
 
-    def finish(self, stream_id: str) -> str:
-        """Decode the buffered remainder as the last chunk; return the utterance's final text and reset it."""
-        return self.finish_tokens(stream_id)[0]
-
-    def finish_tokens(self, stream_id: str) -> tuple[str, list[int]]:
-        text, tokens, _ = self.finish_result(stream_id)
-        return text, tokens
-
-    def finish_result(self, stream_id: str) -> tuple[str, list[int], list[dict]]:
-        """``finish`` with the tokens and the words' times: (text, tokens, [{"word", "start_ms", "end_ms"}])."""
-        st = self._get(stream_id)
-        while self._has_chunk(st):
-            self._advance([st], [False])
-        if self._has_tail(st):
-            self._advance([st], [True])
-        tokens = st.tokens
-        text = self.tokenizer.ids_to_text(tokens) if tokens else ""
-        words = self._words(st)
-        self._reset_slots([st.slot])
-        st.reset()
-        return text, tokens, words
-
     def _words(self, st: _Stream) -> list[dict]:
         return word_timings(self.tokenizer, st.tokens, st.token_frames, self.frame_ms)
 
-    def tokens(self, stream_id: str) -> list[int]:
-        return list(self._get(stream_id).tokens)
-
     # ------------------------------------------------------------------ offline reference
     def transcribe_offline_tokens(self, pcm: np.ndarray) -> list[int]:
-        from pipeline.stt.model import offline_tokens
+        from pipeline.stt.reference import offline_tokens
 
         return offline_tokens(self.model, pcm)
 
@@ -308,7 +296,9 @@ class STTEngine:
                     self.feed(sid, 0.01 * rng.standard_normal(need).astype(np.float32))
                 self.step()  # first chunks
                 self.step()  # later chunks
-                self.finish(ids[0])  # a last chunk
+                self.end(ids[0])
+                while self.pending():
+                    self.step()  # a last chunk
                 for sid in ids:
                     self.close(sid)
         finally:
@@ -383,32 +373,45 @@ class STTEngine:
 
     @torch.inference_mode()
     def _advance(self, streams: list[_Stream], last: list[bool]) -> None:
-        dev = self.device
+        """One chunk of each of ``streams`` through the model, all in one batch (``last[b]``: the
+        stream's final, short chunk), in four stages."""
+        idx = self._index([st.slot for st in streams])
         first = [st.next_frame == 0 and not self.nemo_framing for st in streams]
-        segs, nfr = zip(*(self._segment(st, ls) for st, ls in zip(streams, last)))
-        B = len(streams)
-        # ---- mel features for all chunks in one preprocessor call
-        seg_len = np.array([len(s) for s in segs])
+        mel, n_frames = self._chunk_features(streams, last)
+        pre, pre_len = self._pre_encode_chunks(mel, n_frames, first, idx)
+        enc_out, enc_len = self._encode(pre, pre_len, idx)
+        self._decode(streams, enc_out, enc_len, idx)
+
+    def _chunk_features(self, streams: list[_Stream], last: list[bool]) -> tuple[torch.Tensor, list[int]]:
+        """Stage 1: each chunk's raw audio (consumed from its stream) to mel frames, in one
+        preprocessor call. Returns the chunks' new frames [B, F, span] and each one's frame count."""
+        segs, n_frames = zip(*(self._segment(st, ls) for st, ls in zip(streams, last)))
+        seg_len = np.array([len(seg) for seg in segs])
         width = int(seg_len.max())
         if self.nemo_framing:  # NeMo zero-pads every frame to the full chunk
             width = (self._ctx + self.n_next) * self.hop
-        audio = np.zeros((B, width), np.float32)
-        for b, s in enumerate(segs):
-            audio[b, : len(s)] = s
-        x = torch.from_numpy(audio).to(dev, torch.float32, non_blocking=True)  # features in float32, as NeMo
-        x_len = torch.from_numpy(seg_len).to(dev)
+        audio = np.zeros((len(segs), width), np.float32)
+        for b, seg in enumerate(segs):
+            audio[b, : len(seg)] = seg
+        x = torch.from_numpy(audio).to(self.device, torch.float32, non_blocking=True)  # features in float32, as NeMo
+        x_len = torch.from_numpy(seg_len).to(self.device)
         feats = self._features(x, x_len, full=bool((seg_len == width).all()))
-        span = max(max(nfr), self.n_next)
+        span = max(max(n_frames), self.n_next)
         if feats.shape[-1] < self._ctx + span:
             feats = torch.nn.functional.pad(feats, (0, self._ctx + span - feats.shape[-1]))
-        new = feats[:, :, self._ctx : self._ctx + span]  # [B, F, span]
-        n_t = torch.tensor(nfr, dtype=torch.long, device=dev)
-        slots = [st.slot for st in streams]
-        idx = self._index(slots)
+        return feats[:, :, self._ctx : self._ctx + span], list(n_frames)
 
-        # ---- pre-encode (causal conv subsampling, masked by length): first chunks (no cache,
-        # nothing dropped) and later chunks ([mel cache | chunk], drop the extra frames); fixed widths,
-        # last chunks ride along shorter (their padding is masked out)
+    def _pre_encode_chunks(
+        self, mel: torch.Tensor, n_frames: list[int], first: list[bool], idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 2: causal conv subsampling, masked by length, and the mel pre-encode cache shift.
+
+        First chunks have no cache and drop nothing; later chunks run on [mel cache | chunk] and
+        drop the extra frames. Both groups have fixed widths; last chunks ride along shorter (their
+        padding is masked out). Returns [B, T, D] padded to a fixed T (static shapes for
+        torch.compile), rows in the order of ``mel``, and their lengths."""
+        B = mel.shape[0]
+        n_t = torch.tensor(n_frames, dtype=torch.long, device=self.device)
         pre_parts, len_parts, order = [], [], []
         for is_first in (True, False):
             rows = [b for b in range(B) if first[b] == is_first]
@@ -416,35 +419,39 @@ class STTEngine:
                 continue
             r = self._index(rows)
             if is_first:
-                x_g = new.index_select(0, r)[:, :, : self.n_first]
-                full = all(nfr[b] >= self.n_first for b in rows)
+                x_g = mel.index_select(0, r)[:, :, : self.n_first]
+                full = all(n_frames[b] >= self.n_first for b in rows)
                 o, ol = self._pre_encode(x_g.transpose(1, 2), n_t.index_select(0, r), full)
                 ol = ol.long()
             else:
                 x_g = torch.cat(
-                    [self.mel_cache.index_select(0, idx.index_select(0, r)), new.index_select(0, r)[:, :, : self.n_next]],
+                    [self.mel_cache.index_select(0, idx.index_select(0, r)), mel.index_select(0, r)[:, :, : self.n_next]],
                     dim=-1,
                 )
-                full = all(nfr[b] >= self.n_next for b in rows)
+                full = all(n_frames[b] >= self.n_next for b in rows)
                 o, ol = self._pre_encode(x_g.transpose(1, 2), n_t.index_select(0, r) + self.pre_cache, full)
                 o, ol = o[:, self.drop_extra :], (ol.long() - self.drop_extra).clamp(min=0)
             pre_parts.append(o)
             len_parts.append(ol)
             order += rows
-        # mel pre-encode cache: shift in the last frames of this chunk (one gather, one scatter)
-        tail_pos = n_t[:, None] + torch.arange(self.pre_cache, device=dev)[None, :]  # in [cache | new] coordinates
-        both = torch.cat([self.mel_cache.index_select(0, idx), new], dim=-1)
-        self.mel_cache.index_copy_(
-            0, idx, torch.gather(both, 2, tail_pos[:, None, :].expand(-1, both.shape[1], -1))
-        )
-        T = max(self.out_len, max(p.shape[1] for p in pre_parts))  # fixed shapes for torch.compile
+        self._shift_mel_cache(mel, n_t, idx)
+        T = max(self.out_len, max(p.shape[1] for p in pre_parts))
         pre = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, T - p.shape[1])) for p in pre_parts], 0)
         pre_len = torch.cat(len_parts, 0)
         if order != list(range(B)):  # back to the order of `streams`
             inv = self._index([order.index(b) for b in range(B)])
             pre, pre_len = pre.index_select(0, inv), pre_len.index_select(0, inv)
+        return pre, pre_len
 
-        # ---- encoder layers, one call for the whole batch, on gathered caches
+    def _shift_mel_cache(self, mel: torch.Tensor, n_t: torch.Tensor, idx: torch.Tensor) -> None:
+        """Keep the last ``pre_cache`` mel frames of [cache | this chunk]: one gather, one scatter."""
+        tail_pos = n_t[:, None] + torch.arange(self.pre_cache, device=self.device)[None, :]
+        both = torch.cat([self.mel_cache.index_select(0, idx), mel], dim=-1)
+        self.mel_cache.index_copy_(0, idx, torch.gather(both, 2, tail_pos[:, None, :].expand(-1, both.shape[1], -1)))
+
+    def _encode(self, pre: torch.Tensor, pre_len: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 3: the encoder layers, one (compiled) call for the whole batch on the slots'
+        gathered caches; the updated caches are scattered back."""
         enc_out, enc_len, caches, ch_len = self._layers(
             pre,
             pre_len,
@@ -455,10 +462,13 @@ class STTEngine:
         for cache, new in zip(self.caches, caches):
             cache.index_copy_(1, idx, new)
         self.cache_len.index_copy_(0, idx, ch_len)
+        return enc_out, enc_len
 
-        # ---- greedy RNNT over the chunk with carried per-slot decoder state
+    def _decode(self, streams: list[_Stream], enc_out: torch.Tensor, enc_len: torch.Tensor, idx: torch.Tensor) -> None:
+        """Stage 4: greedy RNNT over the chunk with each slot's carried prediction-net state, then
+        the step's one device-to-host transfer (labels, their frames, frame counts) into the streams."""
         f = self.model.joint.project_encoder(enc_out.transpose(1, 2))
-        labels, frames, g, hc = self._decode(
+        labels, frames, g, hc = self._decode_chunk(
             self.model.joint,
             self.pred,
             self.blank,
@@ -470,19 +480,10 @@ class STTEngine:
         )
         self.g.index_copy_(0, idx, g)
         self.hc.index_copy_(1, idx, hc)
-
-        # ---- the one device->host transfer: emitted labels, their frames, frame counts
         host = torch.cat([labels, frames, enc_len[:, None]], 1).cpu().numpy()
         I = labels.shape[1]
         for b, st in enumerate(streams):
-            lab, fr = host[b, :I], host[b, I : 2 * I]
-            m = lab >= 0
-            if m.any():
-                st.tokens.extend(int(v) for v in lab[m])
-                st.token_frames.extend(st.enc_frames + int(v) for v in fr[m])
-                st.last_token_frame = st.enc_frames + int(fr[m][-1])
-                st.endpointed = False
-            st.enc_frames += int(host[b, 2 * I])
+            st.record(host[b, :I], host[b, I : 2 * I], int(host[b, 2 * I]))
 
     def _pre_encode(self, x: torch.Tensor, lengths: torch.Tensor, full: bool = False):
         """``enc.pre_encode(x, lengths)``: the channels-last matmul form when the encoder's subsampling

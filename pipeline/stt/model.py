@@ -1,66 +1,29 @@
-"""Building the recogniser: a tiny random-weight cache-aware FastConformer RNNT, or a real .nemo."""
+"""Building the recogniser: a random-weight cache-aware FastConformer RNNT (tiny, or at a real
+model's shape), or a real .nemo checkpoint."""
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
 
-import numpy as np
 import torch
 
+from pipeline.stt.calibration import (
+    calibrate_blank_bias,
+    calibrate_blank_bias_cached,
+    condition_random_joint,
+    set_blank_bias,
+)
 from pipeline.stt.config import LOOKAHEADS, STTConfig
+from pipeline.stt.tiny_tokenizer import tiny_tokenizer_dir
 
 SAMPLE_RATE = 16000
 
-_TOKENIZER_TEXT = """\
-the quick brown fox jumps over the lazy dog while the band plays on
-she sells sea shells by the sea shore and the shells she sells are surely sea shells
-how much wood would a woodchuck chuck if a woodchuck could chuck wood
-a voice assistant listens to the user and answers in real time without long pauses
-please tell me the weather for tomorrow morning in the city where i live
-can you book a table for two people at seven in the evening
-i would like to hear some music from the seventies and eighties
-what time is it now and how long will it take to get to the station
-the meeting has been moved to thursday afternoon after lunch
-remind me to call my mother when i get home tonight
-there are many reasons why streaming speech recognition is hard
-every word spoken should appear on the screen as soon as possible
-she opened the window and looked at the bright blue sky above the hills
-we walked along the river until the sun went down behind the trees
-thank you very much for your help with this problem today
-good morning everyone and welcome to the first lesson of the course
-numbers like one two three four five six seven eight nine ten are common
-the children were playing in the garden while their parents talked
-could you repeat that please i did not hear the last part
-turn off the lights in the kitchen and lock the front door
-"""
 
 
 def _silence_nemo() -> None:
     from nemo.utils import logging as nemo_logging
 
     nemo_logging.setLevel(logging.ERROR)
-
-
-def tiny_tokenizer_dir(cache_dir: str | None = None, vocab_size: int = 128) -> str:
-    """Train (once, deterministically) a small SentencePiece BPE model; return its directory."""
-    from nemo.collections.common.tokenizers.sentencepiece_tokenizer import create_spt_model
-
-    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "gapless", "stt-tiny")
-    out = os.path.join(cache_dir, f"spe_bpe_v{vocab_size}")
-    if os.path.exists(os.path.join(out, "tokenizer.model")):
-        return out
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir)
-    text = os.path.join(tmp, "text.txt")
-    with open(text, "w") as f:
-        f.write(_TOKENIZER_TEXT * 4)
-    create_spt_model(text, vocab_size, sample_size=-1, do_lower_case=True, tokenizer_type="bpe", output_dir=tmp)
-    try:
-        os.replace(tmp, out)  # atomic: a concurrent builder either wins or finds it done
-    except OSError:
-        pass
-    return out
 
 
 def tiny_model_config(tokenizer_dir: str, d_model: int = 64, n_layers: int = 2, max_symbols: int = 2):
@@ -129,113 +92,6 @@ def tiny_model_config(tokenizer_dir: str, d_model: int = 64, n_layers: int = 2, 
             "decoding": {"strategy": "greedy_batch", "greedy": {"max_symbols": max_symbols}},
         }
     )
-
-
-def _joint_out_linear(model) -> torch.nn.Linear:
-    return [m for m in model.joint.joint_net.modules() if isinstance(m, torch.nn.Linear)][-1]
-
-
-def set_blank_bias(model, bias: float) -> None:
-    """Set the extra bias on the blank logit (relative to the weights as built/loaded)."""
-    lin = _joint_out_linear(model)
-    base = getattr(model, "_gapless_blank_base", None)
-    if base is None:
-        base = float(lin.bias[model.decoder.blank_idx])
-        model._gapless_blank_base = base
-    with torch.no_grad():
-        lin.bias[model.decoder.blank_idx] = base + float(bias)
-    model._gapless_blank_bias = float(bias)
-
-
-def speech_like_audio(seconds: float, seed: int = 0) -> np.ndarray:
-    """Deterministic synthetic 'speech': voiced syllables (harmonics + formant-ish peaks), noise, pauses."""
-    rng = np.random.default_rng(seed)
-    n = int(seconds * SAMPLE_RATE)
-    out = np.zeros(n, np.float32)
-    pos = 0
-    while pos < n:
-        dur = int(rng.uniform(0.12, 0.3) * SAMPLE_RATE)
-        seg = min(dur, n - pos)
-        t = np.arange(seg) / SAMPLE_RATE
-        f0 = rng.uniform(90, 220) * (1 + 0.1 * np.sin(2 * np.pi * rng.uniform(1, 4) * t))
-        phase = 2 * np.pi * np.cumsum(f0) / SAMPLE_RATE
-        formants = rng.uniform([300, 900, 2200], [900, 2200, 3200])
-        sig = np.zeros(seg)
-        for h in range(1, 30):
-            fh = f0 * h
-            amp = sum(np.exp(-(((fh - fm) / 150.0) ** 2)) for fm in formants) + 0.02
-            sig += amp * np.sin(h * phase)
-        sig += 0.3 * rng.standard_normal(seg) * (rng.random() < 0.3)  # fricative-ish
-        env = np.sin(np.pi * np.arange(seg) / seg) ** 0.5
-        out[pos : pos + seg] = (0.1 * sig * env).astype(np.float32)
-        pos += seg + int(rng.uniform(0.0, 0.12) * SAMPLE_RATE)
-    return np.clip(out, -1, 1)
-
-
-@torch.inference_mode()
-def offline_tokens(model, pcm: np.ndarray) -> list[int]:
-    """Reference: the model's own full-utterance pass (mel, encoder, NeMo greedy batch decoding)."""
-    x = torch.as_tensor(np.asarray(pcm, np.float32)).unsqueeze(0)
-    dev = next(model.parameters()).device
-    x = x.to(dev)
-    n = torch.tensor([x.shape[1]], device=dev)
-    feats, feat_len = model.preprocessor(input_signal=x, length=n)
-    enc, enc_len = model.encoder(audio_signal=feats, length=feat_len)
-    hyps = model.decoding.rnnt_decoder_predictions_tensor(
-        encoder_output=enc, encoded_lengths=enc_len, return_hypotheses=True
-    )
-    return [int(t) for t in hyps[0].y_sequence]
-
-
-def encoder_frames(num_samples: int) -> int:
-    mel = num_samples // 160 + 1
-    return 1 + (mel - 1) // 8
-
-
-@torch.inference_mode()
-def condition_random_joint(model, seconds: float = 6.0, enc_scale: float = 1.5, out_scale: float = 3.0) -> None:
-    """Make a random joint listen to the audio.
-
-    A random encoder's output is mostly a constant pattern, so a random joint emits the same
-    token on every frame and the blank/non-blank decision sits on a knife edge (float noise
-    flips it). Standardising the joint's encoder projection on speech-like audio (removing the
-    constant part) and widening the output layer gives frame-dependent decisions with margins.
-    """
-    pcm = speech_like_audio(seconds, seed=4321)
-    dev = next(model.parameters()).device
-    x = torch.as_tensor(pcm, device=dev)[None]
-    feats, feat_len = model.preprocessor(input_signal=x, length=torch.tensor([x.shape[1]], device=dev))
-    enc, _ = model.encoder(audio_signal=feats, length=feat_len)
-    e = enc[0].T  # [T, D]
-    w = model.joint.enc.weight / e.std(0).clamp(min=1e-3)[None, :] * enc_scale
-    model.joint.enc.weight.copy_(w)
-    model.joint.enc.bias.copy_(-(w @ e.mean(0)))
-    _joint_out_linear(model).weight.mul_(out_scale)
-
-
-def calibrate_blank_bias(model, target_rate: float = 0.3, seconds: float = 20.0) -> tuple[float, float]:
-    """Bisect the blank bias so greedy decoding emits ~target_rate tokens/encoder frame on speech_like_audio."""
-    pcm = speech_like_audio(seconds, seed=1234)
-    frames = encoder_frames(len(pcm))
-    return _bisect_blank_bias(model, target_rate, lambda: len(offline_tokens(model, pcm)) / frames)
-
-
-def _bisect_blank_bias(model, target_rate: float, rate_now) -> tuple[float, float]:
-    """Bisect the blank bias until ``rate_now()`` (tokens/frame at the bias set) is nearest the target."""
-    lo, hi = -5.0, 30.0
-    best = (float("inf"), 0.0, 0.0)  # (|rate - target|, bias, rate): the rate is a steep step function
-    for _ in range(20):
-        mid = 0.5 * (lo + hi)
-        set_blank_bias(model, mid)
-        rate = rate_now()
-        best = min(best, (abs(rate - target_rate), mid, rate))
-        if rate > target_rate:
-            lo = mid
-        else:
-            hi = mid
-    _, bias, rate = best
-    set_blank_bias(model, bias)
-    return bias, rate
 
 
 def build_tiny_model(cfg: STTConfig):
@@ -331,35 +187,6 @@ def shaped_model_config(tokenizer_dir: str, shape: str):
     cfg.decoder.prednet.pred_rnn_layers = s["pred_layers"]
     cfg.joint.jointnet.joint_hidden = s["joint"]
     return cfg
-
-
-@torch.inference_mode()
-def calibrate_blank_bias_cached(model, target_rate: float = 0.3, seconds: float = 20.0) -> tuple[float, float]:
-    """``calibrate_blank_bias`` with the encoder run once (the bias only changes the decoding): for big shapes.
-
-    Calibrates on several clips of 2-10 s (not one long clip): a random big encoder emits more near an
-    utterance's start, so one 20 s clip calibrated to 0.3 gave ~0.7 tokens/frame on 2-5 s benchmark clips."""
-    lens = [2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0]
-    scale = seconds / sum(lens) if seconds > sum(lens) else 1.0
-    clips = [speech_like_audio(s * scale, seed=1234 + i) for i, s in enumerate(lens)]
-    frames = sum(encoder_frames(len(p)) for p in clips)
-    dev = next(model.parameters()).device
-    encs = []
-    for pcm in clips:
-        x = torch.as_tensor(pcm, device=dev)[None]
-        feats, feat_len = model.preprocessor(input_signal=x, length=torch.tensor([x.shape[1]], device=dev))
-        encs.append(model.encoder(audio_signal=feats, length=feat_len))
-
-    def rate_now() -> float:
-        n_tok = 0
-        for enc, enc_len in encs:
-            hyps = model.decoding.rnnt_decoder_predictions_tensor(
-                encoder_output=enc, encoded_lengths=enc_len, return_hypotheses=True
-            )
-            n_tok += len(hyps[0].y_sequence)
-        return n_tok / frames
-
-    return _bisect_blank_bias(model, target_rate, rate_now)
 
 
 def build_shaped_model(shape: str, cfg: STTConfig):
