@@ -1,7 +1,8 @@
 """Streaming STT throughput: our STTEngine vs NeMo's own CacheAwareRNNTPipeline, same model and audio.
 
     python -m load.bench_stt [--size tiny|large|full] [--streams 16] [--batch 16] [--chunk 13]
-                             [--device cpu|cuda] [--dtype float32|bfloat16] [--compile] [--rounds 5]
+                             [--device cpu|cuda] [--dtype float32|bfloat16] [--nemo-bf16 native|autocast]
+                             [--compile] [--rounds 5]
                              [--ablate] [--no-exact] [--offline-check] [--split-last] [--json out.jsonl]
 
 Both engines get the same model object (random weights, blank bias calibrated to ~0.3 tokens per
@@ -21,7 +22,8 @@ round, per-step latency p50/p99 and steps of its median run. ``speedup`` is that
 ours vs NeMo (yaml settings); ``speedup_vs_tuned`` the same vs NeMo tuned (per-stream biasing off,
 the CUDA-graph decoder on CUDA). ``tokens_match`` (all streams token-identical to NeMo), tokens and
 step counts identical in every round, the exact framing's tokens vs an offline pass, and the token
-rate per encoder frame. The exit status is 1 if tokens differ from NeMo's or between rounds. ``--ablate`` adds
+rate per encoder frame. The exit status is 1 if tokens differ from NeMo's (in bf16: a mean
+similarity under 0.9) or between rounds. ``--ablate`` adds
 our engine with each speed-up switched off in turn, to show what each one buys.
 """
 from __future__ import annotations
@@ -57,9 +59,10 @@ def nemo_pipeline_cfg(args, max_symbols: int, tuned: bool = False):
                 "device": args.device,
                 "device_id": 0,
                 "compute_dtype": args.dtype,
-                # NeMo's bf16 mode: autocast (its wrapper's default); use_amp false with bf16 weights
-                # fails in its pipeline (float features into bf16 convs)
-                "use_amp": args.dtype == "bfloat16",
+                # NeMo's bf16 mode as its yaml sets it: use_amp false, so its wrapper casts the model
+                # (its own copy) and the features to bf16; --nemo-bf16 autocast: fp32 weights under
+                # autocast instead (the wrapper's own default)
+                "use_amp": args.dtype == "bfloat16" and args.nemo_bf16 == "autocast",
                 "decoding": {
                     "strategy": "greedy_batch",
                     "preserve_alignments": False,
@@ -132,6 +135,12 @@ def nemo_pipeline_cfg(args, max_symbols: int, tuned: bool = False):
             "run_steps": 1,
         }
     )
+
+
+def nemo_precision(args) -> str:
+    if args.dtype == "float32":
+        return "float32"
+    return "bf16 weights (use_amp false, its yaml)" if args.nemo_bf16 == "native" else "autocast over fp32 weights (use_amp)"
 
 
 def build_nemo_pipeline(model, args, max_symbols: int, tuned: bool = False):
@@ -267,6 +276,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chunk", type=int, default=13, choices=[13, 6, 1, 0], help="lookahead: att_context_size [70, N]")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--nemo-bf16", default="native", choices=["native", "autocast"],
+                    help="with --dtype bfloat16: NeMo's pipeline on bf16 weights (use_amp false, its yaml) "
+                         "or autocast over fp32 weights (use_amp true)")
     ap.add_argument("--compile", action="store_true", help="torch.compile our encoder layers (NeMo has no such knob)")
     ap.add_argument("--min-sec", type=float, default=None, help="shortest clip (default by size)")
     ap.add_argument("--max-sec", type=float, default=None, help="longest clip (default by size)")
@@ -333,13 +345,15 @@ class Bench:
         self.offline = [offline_tokens(model, a) for a in self.audios] if (args.offline_check or not args.no_exact) else None
         # NeMo's pipeline as its yaml sets it up, and "tuned": per-stream biasing off (its library
         # default), the CUDA-graph greedy decoder where there is CUDA
-        # (each pipeline on its own copy: NeMo's wrapper sets the decoding strategy on the model)
-        pipes = {"nemo": build_nemo_pipeline(model, args, self.max_symbols)}
+        # (each pipeline on its own copy: NeMo's wrapper sets the decoding strategy on the model,
+        # and in bf16 casts it)
+        nemo_model = model if args.dtype == "float32" else _twin(model, self.att, args.device)
+        pipes = {"nemo": build_nemo_pipeline(nemo_model, args, self.max_symbols)}
         if not args.no_tuned:
             pipes["nemo_tuned"] = build_nemo_pipeline(_twin(model, self.att, args.device), args, self.max_symbols,
                                                       tuned=True)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-        if dtype != torch.float32:  # NeMo autocasts its float32 model; ours runs a copy with --dtype weights
+        if dtype != torch.float32:  # ours runs a copy with --dtype weights
             model = _twin(model, self.att, args.device).to(dtype)
         # ours with NeMo's chunking (same tokens as NeMo's pipeline), our default offline-equal
         # framing, and (--ablate) ours with one speed-up at a time switched back to the library path
@@ -356,6 +370,7 @@ class Bench:
             eng.warmup()
         self.warm_s = time.perf_counter() - t
         self.chunk_ms = int(self.engines["ours"].n_next * 10)
+        self.pipes = pipes
         self.runners = {name: (lambda p=p: run_nemo(p, self.audios, args.batch)) for name, p in pipes.items()}
         for name, eng in self.engines.items():
             self.runners[name] = lambda eng=eng: run_ours(eng, self.audios, args.batch)
@@ -390,6 +405,13 @@ def paired(out: dict, a: str, b: str) -> dict:
             "max": round(float(ratios.max()), 3)}
 
 
+def similarity(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean over streams of difflib's match ratio of two token sequences (1.0: identical)."""
+    import difflib
+
+    return round(float(np.mean([difflib.SequenceMatcher(a=x, b=y).ratio() for x, y in zip(a, b)])), 4)
+
+
 def _median_run(rec: dict) -> dict:
     """The run whose RTFx is the median one (its step percentiles are reported)."""
     order = np.argsort(rec["rtfx"])
@@ -407,7 +429,7 @@ def report(args: argparse.Namespace, bench: Bench, out: dict) -> dict:
     row = {
         "size": args.size, "params_m": round(bench.n_params / 1e6, 1), "streams": args.streams, "batch": args.batch,
         "att_context_size": bench.att, "chunk_ms": bench.chunk_ms, "device": args.device, "dtype": args.dtype,
-        "nemo_precision": "autocast over float32 weights (use_amp)" if args.dtype == "bfloat16" else "float32",
+        "nemo_precision": nemo_precision(args),
         "compile": args.compile, "threads": args.threads,
         "malloc": "glibc defaults" if args.glibc_malloc_defaults else "large allocations kept",
         "audio_s": round(bench.audio_s, 2), "clip_s": [bench.lo, bench.hi], "rounds": args.rounds,
@@ -415,6 +437,7 @@ def report(args: argparse.Namespace, bench: Bench, out: dict) -> dict:
         # speedup: the median over rounds of ours / NeMo (yaml settings) in the same round
         "speedup": paired(out, "ours", "nemo"),
         "tokens_match": our_toks == nemo_toks, "streams_match": same(our_toks, nemo_toks),
+        "token_similarity": similarity(our_toks, nemo_toks),
         "tokens_stable_across_rounds": all(r["tokens_stable"] for r in out.values()),
         "steps_stable_across_rounds": all(r["steps_stable"] for r in out.values()),
         "tokens_per_frame": round(sum(len(t) for t in our_toks) / frames, 3),
@@ -491,7 +514,10 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "a") as f:
             f.write(line + "\n")
-    ok = row["tokens_match"] and row["tokens_stable_across_rounds"] and row["steps_stable_across_rounds"]
+    # float32: token for token; bf16: each engine rounds differently (NeMo's kernels and op order
+    # are not ours), so near-identical is the bar
+    same_tokens = row["tokens_match"] if args.dtype == "float32" else row["token_similarity"] >= 0.9
+    ok = same_tokens and row["tokens_stable_across_rounds"] and row["steps_stable_across_rounds"]
     return 0 if ok else 1
 
 
