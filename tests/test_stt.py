@@ -85,13 +85,13 @@ def test_streaming_equals_offline(tiny, att, paths):
     """Streaming tokens == an offline pass of the model; with our fast paths and with every one of
     them switched back (NeMo's layer loop, NeMo's masked subsampling, nn.LSTM, and our own
     frame-looping decoder instead of label looping)."""
-    from pipeline.stt.decoding import greedy_decode_chunk
+    from pipeline.stt.decoding import frame_loop_decode_chunk
     from pipeline.stt.encoder import KVCacheLayersStep
 
     cfg, model = tiny
     engine = _engine(tiny, att_context_size=att, **paths)
     fast = (isinstance(engine.enc_step, KVCacheLayersStep), engine._fast_pre is not None,
-            engine._decode_chunk is not greedy_decode_chunk, engine.pred.unrolled)
+            engine._decode_chunk is not frame_loop_decode_chunk, engine.pred.unrolled)
     assert fast == ((False,) * 4 if paths else (True,) * 4)
     rng = np.random.default_rng(1)
     durations = [0.4, 1.13, 2.37, 3.01, 4.55] if att == [70, 13] else [0.3, 1.37, 2.2]
@@ -404,7 +404,7 @@ def test_label_looping_equals_frame_looping(tiny, max_symbols):
     """The label-looping decoder (an iteration per label) emits the same labels on the same frames and
     ends in the same prediction state as frame looping (an iteration per frame), rows of different
     lengths in one batch; the blank bias is varied so rows range from silent to emitting every frame."""
-    from pipeline.stt.decoding import PredictionStep, greedy_decode_chunk, label_loop_decode_chunk
+    from pipeline.stt.decoding import PredictionStep, frame_loop_decode_chunk, label_loop_decode_chunk
 
     _, model = tiny
     pred = PredictionStep(model.decoder, True)
@@ -421,7 +421,7 @@ def test_label_looping_equals_frame_looping(tiny, max_symbols):
         for bias in (-30.0, -3.0, 0.0, 1.0, 3.0, 30.0):
             _joint_bias(model)[blank] = base + bias
             with torch.inference_mode():
-                fl = greedy_decode_chunk(joint, pred, blank, max_symbols, f, f_len, g, hc)
+                fl = frame_loop_decode_chunk(joint, pred, blank, max_symbols, f, f_len, g, hc)
                 ll = label_loop_decode_chunk(joint, pred, blank, max_symbols, f, f_len, g, hc)
             emitted = lambda out: [
                 [(int(lab), int(fr)) for lab, fr in zip(out[0][b], out[1][b]) if lab >= 0] for b in range(B)

@@ -83,7 +83,7 @@ def _stacked(out_labels: list, out_frames: list, B: int, dev, g, hc):
 
 
 @torch.inference_mode()
-def greedy_decode_chunk(
+def frame_loop_decode_chunk(
     joint,
     pred: PredictionStep,
     blank: int,
@@ -94,7 +94,10 @@ def greedy_decode_chunk(
     hc: torch.Tensor,  # [2L, B, H] LSTM state
     check_every: int = 4,
 ):
-    """Decode one chunk; return (labels [B, I] with -1 where nothing was emitted, frame [B, I], g, hc).
+    """Greedy RNNT over one chunk by frame looping (an iteration per frame or emitted label, the
+    joint on one frame per row); return (labels [B, I] with -1 where nothing was emitted,
+    frame [B, I], g, hc). The classic algorithm, kept as the reference that label looping is
+    tested against and as ``STTConfig.decoder: frame_loop``.
 
     Runs ``T`` iterations unconditionally (each row needs at least its frame count), then checks
     for completion only every ``check_every`` iterations, so the host waits on the device rarely.
@@ -138,7 +141,7 @@ def label_loop_decode_chunk(
     hc: torch.Tensor,  # [2L, B, H]
     check_every: int | None = None,
 ):
-    """``greedy_decode_chunk`` by label looping: one iteration per emitted label instead of per frame.
+    """``frame_loop_decode_chunk`` by label looping: one iteration per emitted label instead of per frame.
 
     With the prediction state fixed, frame looping walks over blank frames until the first frame
     whose best label is not blank; here the joint is evaluated on every frame of the chunk at once

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pipeline.stt.config import STTConfig
-from pipeline.stt.decoding import PredictionStep, greedy_decode_chunk, label_loop_decode_chunk
+from pipeline.stt.decoding import PredictionStep, frame_loop_decode_chunk, label_loop_decode_chunk
 from pipeline.stt.encoder import KVCacheLayersStep, NemoLayersStep
 from pipeline.stt.features import ChunkFeatures
 from pipeline.stt.subsampling import CausalDwStriding
@@ -136,7 +136,7 @@ class STTEngine:
         self.max_symbols = int(greedy.get("max_symbols", None) or 10)
         self.pred = PredictionStep(model.decoder, unrolled=cfg.unrolled_lstm)
         self.tokenizer = model.tokenizer
-        self._decode_chunk = label_loop_decode_chunk if cfg.decoder == "label_loop" else greedy_decode_chunk
+        self._decode_chunk = label_loop_decode_chunk if cfg.decoder == "label_loop" else frame_loop_decode_chunk
         S = cfg.num_slots
         self.num_slots = S
         # --- per-slot device state ---
