@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Literal
 
@@ -19,6 +20,9 @@ from pipeline.session import SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
 
+log = logging.getLogger(__name__)
+PROFILES = ("tiny", "full", "real")
+
 
 class AppArgs(BaseModel):
     """``args:`` of the app in serve_config.yaml. Unknown keys are errors, not ignored."""
@@ -26,6 +30,8 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # tiny: small random-weight models (CPU); full: random weights at the real models' shapes
     # (GPU timing with no checkpoint, load/gpu_check.sh); real: the checkpoints.
+    # Every engine config has the same profile field and tiny()/full()/real() constructors; an
+    # engine's own settings may name another (llm: {profile: tiny}).
     profile: Literal["tiny", "full", "real"] = "tiny"
     device: Literal["cpu", "cuda"] = "cpu"
     stt: dict[str, Any] = {}
@@ -39,6 +45,12 @@ class AppArgs(BaseModel):
 
 
 def _engine_config(cls, profile: str, device: str, overrides: dict[str, Any]):
+    """``cls.tiny()``, ``cls.full()`` or ``cls.real()`` for the app's profile (or the engine's own
+    ``profile:`` setting, e.g. ``llm: {profile: tiny}``), then the yaml's device and settings."""
+    overrides = dict(overrides)
+    profile = overrides.pop("profile", profile)
+    if profile not in PROFILES:
+        raise ValueError(f"{cls.__name__} profile must be one of {PROFILES}, got {profile!r}")
     base = {"tiny": cls.tiny, "full": cls.full, "real": cls.real}[profile]()
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = set(overrides) - fields
@@ -47,11 +59,21 @@ def _engine_config(cls, profile: str, device: str, overrides: dict[str, Any]):
     return dataclasses.replace(base, device=device, **overrides)
 
 
+def _llm_settings(llm: dict[str, Any]) -> dict[str, Any]:
+    """Backward-compatible alias: before every engine had a profile, a config chose the tiny LLM
+    with ``llm: {model: tiny}``. A user's yaml that says so still starts (as ``llm: {profile:
+    tiny}``, with a warning) instead of failing to find a checkpoint named "tiny"."""
+    if llm.get("model") != "tiny":
+        return llm
+    log.warning("serve config: llm: {model: tiny} is deprecated; write llm: {profile: tiny}")
+    return {**{k: v for k, v in llm.items() if k != "model"}, "profile": "tiny"}
+
+
 def configs(args: AppArgs) -> dict[str, Any]:
     """Every setting checked before anything starts: engines, then session, then auth (last, so a
     typo elsewhere is reported as itself, not as a missing token)."""
     engines = {"stt": _engine_config(STTConfig, args.profile, args.device, args.stt),
-               "llm": _engine_config(LLMConfig, args.profile, args.device, args.llm),
+               "llm": _engine_config(LLMConfig, args.profile, args.device, _llm_settings(args.llm)),
                "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts)}
     session_fields = {f.name for f in dataclasses.fields(SessionConfig) if not f.name.startswith("on_")}
     unknown = set(args.session) - session_fields

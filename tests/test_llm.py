@@ -358,6 +358,28 @@ def test_factory_backends():
     assert cfg.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.max_new_tokens == 7
 
 
+def test_profile_vocabulary():
+    """The LLM config speaks the STT and TTS configs' profile vocabulary; the pre-profile spelling
+    model="tiny" is refused with the new one named, not taken for a checkpoint id."""
+    assert [LLMConfig.tiny().profile, LLMConfig.full().profile, LLMConfig.real().profile] == ["tiny", "full", "real"]
+    with pytest.raises(ValueError, match="profile must be"):
+        LLMConfig(profile="small")
+    with pytest.raises(ValueError, match=r"profile='tiny'"):
+        LLMConfig(model="tiny")
+
+
+def test_full_profile_builds_random_weights_without_a_checkpoint():
+    """profile full is the tiny recipe at another shape (here shrunk to stay CPU-cheap): a random
+    model built in code over the tiny tokenizer, never a checkpoint lookup."""
+    eng = make_llm(LLMConfig.full(tiny_layers=1, tiny_hidden=32, tiny_heads=2, tiny_kv_heads=1,
+                                  tiny_intermediate=48, device="cpu", dtype="float32", max_new_tokens=3))
+    assert type(eng.model).__name__ == "LlamaForCausalLM"
+    assert eng.model.config.num_hidden_layers == 1 and eng.model.config.intermediate_size == 48
+    s = eng.stream(HELLO)
+    "".join(s)
+    assert 1 <= len(s.generated) <= 3 and eng.active_requests == 0
+
+
 def test_openai_api_key_from_env(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     assert LLMConfig().openai_api_key == "sk-test"

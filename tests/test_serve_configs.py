@@ -26,6 +26,7 @@ def test_serve_config_is_valid(name):
     app = schema.applications[0]
     built = configs(AppArgs(**app.args))
     assert set(built) == {"stt", "llm", "tts", "session", "auth"}
+    assert {built[e].profile for e in ("stt", "llm", "tts")} == {app.args["profile"]}  # one profile, every engine
     deployments = {d.name: d for d in app.deployments}
     assert set(deployments) == {"Gateway", "STT", "LLM", "TTS"}
     # STT streams are hash-routed: a fixed replica count, never autoscaled (a ring change moves streams)
@@ -69,5 +70,54 @@ def test_full_profile_is_random_weights_at_real_shapes():
     built = configs(AppArgs(profile="full", device="cuda", auth={"mode": "none"}))
     stt, llm, tts = built["stt"], built["llm"], built["tts"]
     assert (stt.profile, stt.model, stt.dtype) == ("full", None, "bfloat16")
-    assert llm.is_tiny and (llm.tiny_layers, llm.tiny_hidden, llm.tiny_intermediate) == (24, 896, 4864)
+    assert llm.profile == "full" and (llm.tiny_layers, llm.tiny_hidden, llm.tiny_intermediate) == (24, 896, 4864)
     assert (tts.profile, tts.device) == ("full", "cuda")
+
+
+@pytest.mark.parametrize("profile", ["tiny", "full", "real"])
+def test_every_engine_config_is_built_from_the_profile(profile):
+    """One vocabulary: the app's profile picks each engine config's tiny()/full()/real() constructor,
+    and each config says which profile it was built for."""
+    from pipeline.llm.config import LLMConfig
+    from pipeline.stt.config import STTConfig
+    from pipeline.tts.config import TTSConfig
+
+    built = configs(AppArgs(profile=profile, device="cpu", auth={"mode": "none"}))
+    for name, cls in (("stt", STTConfig), ("llm", LLMConfig), ("tts", TTSConfig)):
+        want = getattr(cls, profile)(device="cpu")
+        assert built[name] == want and built[name].profile == profile, name
+
+
+@pytest.mark.parametrize("name", ["STTConfig", "LLMConfig", "TTSConfig"])
+def test_an_unknown_profile_is_refused(name):
+    from pipeline.llm.config import LLMConfig
+    from pipeline.stt.config import STTConfig
+    from pipeline.tts.config import TTSConfig
+
+    cls = {"STTConfig": STTConfig, "LLMConfig": LLMConfig, "TTSConfig": TTSConfig}[name]
+    with pytest.raises(ValueError, match=f"{name}.profile must be"):
+        cls(profile="small")
+
+
+def test_an_engine_may_name_its_own_profile():
+    from pipeline.llm.config import LLMConfig
+
+    built = configs(AppArgs(profile="real", device="cpu", llm={"profile": "tiny", "max_new_tokens": 9},
+                            auth={"mode": "none"}))
+    assert built["llm"] == LLMConfig.tiny(device="cpu", max_new_tokens=9)
+    assert (built["stt"].profile, built["tts"].profile) == ("real", "real")
+    with pytest.raises(ValueError, match="profile must be one of"):
+        configs(AppArgs(llm={"profile": "small"}, auth={"mode": "none"}))
+
+
+def test_old_llm_model_tiny_still_starts(caplog):
+    """Backward-compatible alias (deployments/app.py): a yaml written when the tiny LLM was chosen
+    with llm: {model: tiny} builds the tiny profile's LLM, with a deprecation warning, instead of
+    looking for a checkpoint named "tiny"."""
+    from pipeline.llm.config import LLMConfig
+
+    with caplog.at_level("WARNING", logger="deployments.app"):
+        built = configs(AppArgs(profile="real", device="cpu", llm={"model": "tiny", "seed": 3},
+                                auth={"mode": "none"}))
+    assert built["llm"] == LLMConfig.tiny(device="cpu", seed=3)
+    assert "llm: {profile: tiny}" in caplog.text

@@ -10,6 +10,10 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
+PROFILES = ("tiny", "full", "real")
+REAL_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
 def _env_api_key() -> str | None:
     return os.environ.get("OPENAI_API_KEY") or None
 
@@ -20,12 +24,16 @@ class LLMConfig:
 
     ``backend``: ``"transformers"`` (in-process, :class:`pipeline.llm.engine.LLMEngine`),
     ``"openai"`` (any OpenAI-compatible HTTP server) or ``"vllm"`` (optional GPU extra).
-    ``model``: a Hugging Face id / local path, or ``"tiny"`` for a tiny random Llama-family
-    model built in code (tests and CPU smoke runs).
+    ``profile``, the same vocabulary as the STT and TTS configs: ``"tiny"`` (a small random
+    Llama-family model built in code over the tiny tokenizer: tests and CPU runs), ``"full"``
+    (random weights at Qwen2.5-0.5B's transformer shape: GPU timing without a checkpoint) or
+    ``"real"`` (the checkpoint ``model``). Only the transformers backend reads it: ``openai`` and
+    ``vllm`` serve a real model whatever it says.
     """
 
+    profile: str = "real"
     backend: str = "transformers"
-    model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    model: str = REAL_MODEL  # HF id or local path: the checkpoint of profile real (and of the vllm backend)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     max_new_tokens: int = 128
     temperature: float = 0.7
@@ -39,10 +47,10 @@ class LLMConfig:
     token_delay_s: float = 0.0  # test hook: extra sleep per generated token
     # OpenAI-compatible backend
     openai_url: str = "http://127.0.0.1:8000/v1"
-    openai_model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    openai_model: str = REAL_MODEL
     openai_api_key: str | None = field(default_factory=_env_api_key)
     openai_timeout_s: float = 30.0
-    # tiny model shape (only used when model == "tiny")
+    # shape of the random-weight model (profiles tiny and full; the real profile reads the checkpoint's)
     tiny_layers: int = 2
     tiny_hidden: int = 64
     tiny_heads: int = 4
@@ -53,8 +61,8 @@ class LLMConfig:
     def tiny(cls, **overrides) -> "LLMConfig":
         """A tiny random Llama model with the tiny tokenizer: CPU-fast, deterministic."""
         base = cls(
+            profile="tiny",
             backend="transformers",
-            model="tiny",
             max_new_tokens=24,
             # sampled (seeded per stream), so random weights do not repeat one token forever
             temperature=0.9,
@@ -70,7 +78,7 @@ class LLMConfig:
     def full(cls, **overrides) -> "LLMConfig":
         """Random weights with Qwen2.5-0.5B's transformer shape (24 layers of 896, 14/2 heads, MLP
         4864) over the tiny tokenizer's vocabulary: GPU timing without a checkpoint."""
-        base = replace(cls.tiny(), tiny_layers=24, tiny_hidden=896, tiny_heads=14, tiny_kv_heads=2,
+        base = replace(cls.tiny(), profile="full", tiny_layers=24, tiny_hidden=896, tiny_heads=14, tiny_kv_heads=2,
                        tiny_intermediate=4864, max_new_tokens=128, history_tokens=1024, max_context_tokens=2048,
                        device="cuda", dtype="bfloat16")
         return replace(base, **overrides)
@@ -78,8 +86,10 @@ class LLMConfig:
     @classmethod
     def real(cls, **overrides) -> "LLMConfig":
         """The real default: Qwen2.5-0.5B-Instruct (must be in the local HF cache)."""
-        return replace(cls(), **overrides)
+        return replace(cls(profile="real"), **overrides)
 
-    @property
-    def is_tiny(self) -> bool:
-        return self.model == "tiny"
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise ValueError(f"LLMConfig.profile must be 'tiny', 'full' or 'real', got {self.profile!r}")
+        if self.model == "tiny":  # the old spelling of the tiny model (before profiles)
+            raise ValueError("LLMConfig(model='tiny') is now LLMConfig(profile='tiny') (or LLMConfig.tiny())")

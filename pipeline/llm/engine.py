@@ -235,7 +235,7 @@ class LLMEngine:
         self.cfg = cfg
         self.device = torch.device(_resolve_device(cfg.device))
         self.dtype = _resolve_dtype(cfg.dtype, self.device.type)
-        if cfg.is_tiny:
+        if cfg.profile in ("tiny", "full"):  # random weights built in code (full: at the real shape)
             from pipeline.tokenizer import tiny_tokenizer
 
             self.tokenizer = tiny_tokenizer()

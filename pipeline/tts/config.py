@@ -56,6 +56,10 @@ class TTSConfig:
     cudnn_benchmark: bool = False  # CUDA only; see docs/stall.md for why off is the safe default
     slow_step_ms: float = 200.0  # log a warning for any frame step / prefill / encode slower than this
 
+    def __post_init__(self) -> None:
+        if self.profile not in ("tiny", "full", "real"):
+            raise ValueError(f"TTSConfig.profile must be 'tiny', 'full' or 'real', got {self.profile!r}")
+
     @classmethod
     def tiny(cls, **overrides) -> "TTSConfig":
         """Small random-weight models: faster than real time on one CPU thread."""
