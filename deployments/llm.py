@@ -17,6 +17,3 @@ class LLM(ModelReplica):
     async def stream(self, messages: list[dict]):
         async for delta in self.svc.stream(messages):
             yield delta
-
-    async def stats(self) -> dict:
-        return self.svc.stats()

@@ -41,6 +41,3 @@ class STT(ModelReplica):
 
     async def close(self, sid: str) -> None:
         await self.svc.close(sid)
-
-    async def stats(self) -> dict:
-        return self.svc.stats()

@@ -20,6 +20,3 @@ class TTS(ModelReplica):
 
     async def encode(self, pcm_16k):
         return await self.svc.encode(pcm_16k)
-
-    async def stats(self) -> dict:
-        return self.svc.stats()

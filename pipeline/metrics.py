@@ -71,13 +71,6 @@ HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket
                              "upgrade, by code (unauthorized, origin_not_allowed, too_many_handshakes, "
                              "too_many_sessions).", ["code"])
 
-ALL = [
-    AUDIO_CHUNK_GAP, TIME_TO_FIRST_AUDIO, STT_STEP, STT_ACTIVE_STREAMS, STT_STREAMS_OPENED, STT_UNKNOWN_STREAMS,
-    LLM_TIME_TO_FIRST_TOKEN,
-    TTS_TIME_TO_FIRST_CHUNK, TTS_REAL_TIME_FACTOR, COMPILES_AFTER_WARMUP, UNSEEN_SHAPES_AFTER_WARMUP, SESSIONS_ACTIVE, TURNS,
-    BARGE_INS, ERRORS,
-]
-
 
 def exposition() -> bytes:
     """Prometheus text format: every process of this node under Ray, else this process."""

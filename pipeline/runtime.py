@@ -69,7 +69,6 @@ class InferenceThread:
     """A single worker thread that runs every model call of one replica, in submission order."""
 
     def __init__(self, name: str, num_threads: int = 1):
-        self._num_threads = num_threads
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=name, initializer=pin_torch_threads, initargs=(num_threads,)
         )
