@@ -220,7 +220,7 @@ def print_table(out: dict) -> None:
     print("|---|---|---:|---:|---:|---:|")
     for p, s in out["paths"].items():
         for c in s["calls"]:
-            print(f"| {p}: {s['what']} | {c['call']} | {c['samples']} | {fmt(c['compiles']).split(' ')[0]} | "
+            print(f"| {p}: {s['what']} | {c['call']} | {c['samples']} | {'–' if c['compiles']['median'] is None else int(c['compiles']['median'])} | "
                   f"{fmt(c['ms'])} | {fmt(c['repeat_ms'])} |")
     for k, r in out["ratios"].items():
         print(f"{k}: " + (f"{r['median']}x (paired per repeat: {r['ratios']})" if r["median"] is not None
