@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU check: everything a single-GPU machine should measure, unattended. Expected under
-# 8 minutes; the step limits below add up to 11 at worst (the dry run on a 2-core CPU: ~6 min).
+# 8 minutes; the step limits below add up to 12 at worst (the dry run on a 2-core CPU: ~6 min).
 #
 #   bash load/gpu_check.sh            # on a CUDA machine (full-size random-weight models: no checkpoint needed)
 #   bash load/gpu_check.sh --dry-run  # the same steps on CPU with tiny shapes: proves the script runs end to end
@@ -8,7 +8,8 @@
 # Steps (each with its own time limit; one that fails or runs out is recorded and the rest go on):
 #   stt_b64, stt_b256  load.bench_stt: our batched STT vs NeMo's pipeline, bf16, 64 and 256 streams
 #   tts                load.bench_tts_batch: TTS frame step at batch widths 1/8/32 (TTFA, RTF)
-#   stall              load.repro_stall: the turn-boundary stall (eager vs compiled Mimi encode) on CUDA
+#   stall              load.repro_stall: the turn-boundary stall on CUDA, one change per row (the agent's
+#                      settings; cudnn.benchmark off; length buckets; both), 3 repeats, a process per row
 #   serve              serve_config.gpu.yaml with `profile: full` (random weights at real shapes, auth on
 #                      with a throw-away token): a 20-turn gap test, then a load test at N = 8/16/32
 # Output: $OUT_DIR (default out/gpu_check): one log per step, and summary.json with each step's exit
@@ -37,13 +38,13 @@ if [ $DRY = 1 ]; then
   STT="--size tiny --device cpu --dtype float32 --rounds 2"
   STT64="--streams 4 --batch 4"; STT256="--streams 8 --batch 8"
   TTS="--profile tiny --device cpu --widths 1,2 --frames 8 --rounds 1"
-  STALL="--mimi tiny --no-gpu --seconds 1.37 --buckets 25"
+  STALL="--mimi tiny --no-gpu --seconds 1.37 --buckets 25 --backend aot_eager --repeats 1"
   GAP_TURNS=3; LOAD_LEVELS=1,2; LOAD_S=8; BASE_CONFIG=serve_config.yaml; PROFILE=tiny
 else
   STT="--size full --device cuda --dtype bfloat16 --rounds 5"
   STT64="--streams 64 --batch 64"; STT256="--streams 256 --batch 256"
   TTS="--profile full --device cuda --widths 1,8,32 --frames 40 --rounds 3"
-  STALL="--mimi full --seconds 1.37 2.71 --buckets 25 50"
+  STALL="--mimi full --no-cpu --seconds 1.37 2.71 --buckets 25 50 --repeats 3"
   GAP_TURNS=20; LOAD_LEVELS=8,16,32; LOAD_S=20; BASE_CONFIG=serve_config.gpu.yaml; PROFILE=full
 fi
 
@@ -54,7 +55,7 @@ step stt_b256 90 $PY -m load.bench_stt $STT $STT256
 # shellcheck disable=SC2086
 step tts 60 $PY -m load.bench_tts_batch $TTS
 # shellcheck disable=SC2086
-step stall 150 $PY -m load.repro_stall $STALL
+step stall 200 $PY -m load.repro_stall $STALL
 
 # The app: the chosen config with the chosen profile, auth on, limits wide enough for one load host.
 TOKEN=$($PY -c 'import secrets; print(secrets.token_urlsafe(32))')
