@@ -55,7 +55,7 @@ from pipeline.audio import int16_to_float, resample, speech_like
 from pipeline.compile_guard import CompileCounter
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.engine import Segment, TTSEngine
-from pipeline.tts.static import StaticFn
+from pipeline.tts.shape_gate import ShapeGate
 
 PATHS = ("ours", "seed", "compiled_raw")
 USER_SECONDS = [0.9, 1.7, 0.45, 2.6, 1.25, 3.1, 0.7, 2.2, 1.45, 0.33]
@@ -213,9 +213,9 @@ def build_engine(args, path: str) -> TTSEngine:
     if path in ("seed", "compiled_raw"):
         # these paths never call the engine's bucketed encode: keep it eager so that warm-up does
         # not spend minutes compiling buckets they do not use (nothing they time runs through it)
-        engine.fns["encode"] = StaticFn("encode", engine._mimi_encode, None, cfg.slow_step_ms)
+        engine.fns["encode"] = ShapeGate("encode", engine._mimi_encode, None, cfg.slow_step_ms)
     if path == "seed":
-        engine.fns["prefill"] = StaticFn("prefill", engine.csm.prefill_at, None, cfg.slow_step_ms)  # unused
+        engine.fns["prefill"] = ShapeGate("prefill", engine.csm.prefill_at, None, cfg.slow_step_ms)  # unused
         engine.prefill = seed_prefill(engine, args.backend)
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):

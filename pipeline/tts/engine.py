@@ -29,7 +29,7 @@ No stall at a turn boundary, by construction (docs/stall.md): every tensor funct
 serving path has a closed set of input shapes (the frame step: one per batch width; the prompt
 prefill: one per prompt bucket; Mimi encode of user audio: one per encode bucket plus one
 streaming piece; the decode: one), ``warmup()`` runs each of them on the serving thread, and a
-:class:`~pipeline.tts.static.StaticFn` gate keeps any shape warm-up did not see away from
+:class:`~pipeline.tts.shape_gate.ShapeGate` keeps any shape warm-up did not see away from
 torch.compile. Bot turns reuse the codes they were generated from; audio is never re-encoded.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from pipeline.tts.csm import CSM, load_csm, tiny_arch
 from pipeline.tts.mimi import FRAME_SIZE, SAMPLE_RATE, SlotDecoder, encode_streaming_modules, load_mimi, to_int16
 from pipeline.tts.prompt import PromptBuilder, Segment
 from pipeline.tts.sampling import race_noise, race_width
-from pipeline.tts.static import StaticFn
+from pipeline.tts.shape_gate import ShapeGate
 
 __all__ = ["TTSEngine", "TTSStream", "TTSBusyError", "Segment"]
 
@@ -271,9 +271,9 @@ class TTSEngine:
             return torch.compile(fn, **kw)
 
         def fn(name, f, fullgraph=True, compile_it=True):
-            return StaticFn(name, f, compiled(f, fullgraph) if compile_it else None, cfg.slow_step_ms, before)
+            return ShapeGate(name, f, compiled(f, fullgraph) if compile_it else None, cfg.slow_step_ms, before)
 
-        self.fns: dict[str, StaticFn] = {
+        self.fns: dict[str, ShapeGate] = {
             "frame": fn("frame", self._frame_fn),
             "prefill": fn("prefill", self.csm.prefill_at),
             "encode": fn("encode", self._mimi_encode, fullgraph=False),

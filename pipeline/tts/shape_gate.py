@@ -1,8 +1,8 @@
 """Functions with a closed set of input shapes: optionally compiled, gated, timed.
 
 A compiled function that meets a new input shape (or stride, dtype, specialized scalar) retraces
-and recompiles: seconds on a GPU, minutes for full-size Mimi on a CPU. ``StaticFn`` records the
-input signatures seen during warm-up; once :meth:`StaticFn.seal` is called, a signature not seen
+and recompiles: seconds on a GPU, minutes for full-size Mimi on a CPU. ``ShapeGate`` records the
+input signatures seen during warm-up; once :meth:`ShapeGate.seal` is called, a signature not seen
 is never handed to the compiled function: it is counted (``unseen_calls``), logged, and run
 eagerly. So no input the warm-up did not cover can reach torch.compile, whatever its stance.
 Every call slower than ``slow_ms`` (after warm-up) is logged with its shapes (``slow_calls``).
@@ -37,7 +37,10 @@ def shapes(args: tuple) -> str:
     return ", ".join(str(tuple(a.shape)) if isinstance(a, torch.Tensor) else repr(a) for a in args)
 
 
-class StaticFn:
+class ShapeGate:
+    """One function of the engine (a frame step, an encode, a decode) behind a gate on its input
+    signatures: compiled or eager, sealed after warm-up, counting unseen and slow calls."""
+
     def __init__(self, name: str, fn: Callable, compiled: Callable | None = None, slow_ms: float = 200.0,
                  before_call: Callable[[], None] | None = None):
         self.name, self.fn, self.compiled = name, fn, compiled
