@@ -30,6 +30,7 @@ raises :class:`UnknownStream`: the turn restarts there, replaying its audio so f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -619,16 +620,19 @@ class Session:
         full = ""
         try:
             splitter = ClauseSplitter(max_words=self.cfg.clause_max_words)
-            async for delta in self._engine_stream(self.backends.llm_stream(list(self.history))):
-                if not delta:
-                    continue
-                if not full:
-                    marks["llm_first_token_ms"] = 1000 * (time.monotonic() - final_at)
-                full += delta
-                await self.send(P.response_text(delta, turn))
-                for clause in splitter.push(delta):
-                    marks.setdefault("first_clause_ms", 1000 * (time.monotonic() - final_at))
-                    clauses.put_nowait(clause)
+            # aclosing: a cancelled reply closes the engine stream before the cancellation goes on (its
+            # clean-up is queued on the inference thread by then), not whenever the collector finds it.
+            async with contextlib.aclosing(self._engine_stream(self.backends.llm_stream(list(self.history)))) as deltas:
+                async for delta in deltas:
+                    if not delta:
+                        continue
+                    if not full:
+                        marks["llm_first_token_ms"] = 1000 * (time.monotonic() - final_at)
+                    full += delta
+                    await self.send(P.response_text(delta, turn))
+                    for clause in splitter.push(delta):
+                        marks.setdefault("first_clause_ms", 1000 * (time.monotonic() - final_at))
+                        clauses.put_nowait(clause)
             for clause in splitter.flush():
                 marks.setdefault("first_clause_ms", 1000 * (time.monotonic() - final_at))
                 clauses.put_nowait(clause)
@@ -723,10 +727,11 @@ class Session:
                 if made_codes:
                     context.append(Segment(0, " ".join(made_text), np.concatenate(made_codes)))
                 first = True
-                async for pcm, codes in self._engine_stream(self.backends.tts_stream(clause, context)):
-                    chunks.put_nowait((clause if first else None, pcm, codes))
-                    made_codes.append(codes)
-                    first = False
+                async with contextlib.aclosing(self._engine_stream(self.backends.tts_stream(clause, context))) as made:
+                    async for pcm, codes in made:  # (closed at once when cancelled, as the LLM stream above)
+                        chunks.put_nowait((clause if first else None, pcm, codes))
+                        made_codes.append(codes)
+                        first = False
                 if not first:
                     made_text.append(clause)
         finally:

@@ -162,6 +162,16 @@ def test_interruption_truncates_history_and_stops_audio(backends):
     assert rec.turn(2)[-1]["interrupted"] is False
 
 
+async def _queued_work_done(*threads: InferenceThread) -> None:
+    """Every call queued on these inference threads so far has run, and so has the clean-up those
+    calls queued as they finished (a stream cancelled while it was being made is closed as soon as
+    it exists: InferenceThread.open). Each thread runs its calls in order, so a no-op queued behind
+    them returns after them; a second one is behind whatever the first's predecessors queued."""
+    for thread in threads:
+        for _ in range(2):
+            await thread.run(lambda: None)
+
+
 def test_close_mid_reply_leaves_nothing_running(backends):
     async def go():
         rec = Recorder()
@@ -169,8 +179,8 @@ def test_close_mid_reply_leaves_nothing_running(backends):
         await s.start()
         await s.on_frame(P.client_text("Talk for a while, please."))
         await rec.wait(lambda m: m["type"] == "audio")
-        await s.close()
-        await asyncio.sleep(0.3)  # clean-up of the cancelled streams runs on the inference threads
+        await s.close()  # the reply's engine streams are closed; their clean-up is queued on the threads
+        await _queued_work_done(backends.llm.thread, backends.tts.thread, backends.stt.thread)
         return backends.llm.stats(), backends.tts.stats(), backends.stt.stats()
 
     llm, tts, stt = asyncio.run(go())
@@ -185,11 +195,13 @@ async def _say(s, pcm, frame=1600):
 def test_barge_in_by_speech(backends):
     async def go():
         rec = Recorder()
-        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1, barge_in_grace_s=0.3))
+        # No grace period (test_no_barge_in_during_the_grace_period covers it), so no waiting for one.
+        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1, barge_in_grace_s=0.0))
         await s.start()
         await s.on_frame(P.client_text("Tell me a long story."))
         await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
-        await asyncio.sleep(0.4)  # past the grace period
+        # Text past the first clause has been sent, so the cut reply is a proper prefix of it.
+        await rec.wait(lambda _: _past_first_clause(rec.turn(1), s.cfg.clause_max_words))
         await _say(s, speech_like(2.5, seed=11))  # the user talks over the reply
         await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
         await s.on_frame(P.client_turn_end())
@@ -208,6 +220,30 @@ def test_barge_in_by_speech(backends):
     said = s.history[1]["content"]
     full = "".join(m["text"] for m in rec.turn(1) if m["type"] == "response.text")
     assert said and full.replace(" ", "").startswith(said.replace(" ", "")) and len(said) < len(full)
+
+
+def test_no_barge_in_during_the_grace_period(backends):
+    """Words heard while the reply's first barge_in_grace_s of audio plays do not interrupt it. The
+    grace period outlasts the test (60 s), so no clock has to be waited on."""
+    async def go():
+        rec = Recorder()
+        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1, barge_in_grace_s=60.0))
+        await s.start()
+        await s.on_frame(P.client_text("Tell me a long story."))
+        await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+        await _say(s, speech_like(2.5, seed=11))  # the same speech that interrupts without a grace period
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
+        await s.on_frame(P.client_turn_end())
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
+        await s.close()
+        return rec
+
+    rec = asyncio.run(go())
+    done1 = next(m for m in rec.turn(1) if m["type"] == "response.done")
+    heard = [m for m in rec.turn(2) if m["type"] == "transcript.partial" and m["text"].strip()]
+    assert done1["interrupted"] is False  # the reply played on to its end...
+    # ...although the recogniser heard words while it was still playing
+    assert heard and rec.msgs.index(heard[0]) < rec.msgs.index(done1), "no words heard during the reply"
 
 
 def test_quiet_noise_does_not_barge_in(backends):
