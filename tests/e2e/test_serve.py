@@ -163,10 +163,12 @@ def test_bad_input_does_not_touch_other_sessions(server):
     async def go():
         async with Conversation(URL) as good, Conversation(URL) as bad:
             async def spam():
-                for _ in range(5):
+                # Five rounds spread over the good turn: each waits for the server's error to its
+                # round's last frame, so the rounds keep pace with the server, not with a clock.
+                for n in range(1, 6):
                     for _, frame, _ in BAD:
                         await bad.send(frame)
-                    await asyncio.sleep(0.05)
+                    await bad.wait_for(lambda m: m["type"] == "error" and len(bad.errors) >= n * len(BAD), timeout=60)
             _, tr = await asyncio.gather(spam(), good.say_audio(speech_like(1.5, seed=42)))
             # The server handles a session's frames in order: once the error for a last frame of
             # an unknown type has come, every bad frame's error has come before it.
