@@ -262,10 +262,6 @@ class STTEngine:
 
         return offline_tokens(self.model, pcm)
 
-    def transcribe_offline(self, pcm: np.ndarray) -> str:
-        toks = self.transcribe_offline_tokens(pcm)
-        return self.tokenizer.ids_to_text(toks) if toks else ""
-
     def warmup(self) -> None:
         """Run every shape the engine steps with (each batch width; first/later/last chunks).
 
