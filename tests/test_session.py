@@ -233,9 +233,7 @@ def test_no_barge_in_during_the_grace_period(backends):
         await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
         await _say(s, speech_like(2.5, seed=11))  # the same speech that interrupts without a grace period
         await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
-        await s.on_frame(P.client_turn_end())
-        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
-        await s.close()
+        await s.close()  # the spoken turn's partials are all this test needs of it
         return rec
 
     rec = asyncio.run(go())
