@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from load.bench_tts import med_range, paired, run_children
+from load.isolated_runs import med_range, paired, run_children, write_result
 from pipeline.compile_guard import CompileCounter
 from pipeline.tts.mimi import FRAME_SIZE, load_mimi
 
@@ -249,13 +249,8 @@ def main(argv=None) -> None:
     ap.add_argument("--path", choices=CPU_PATHS + GPU_PATHS, default=None, help="child mode: this one path")
     ap.add_argument("--json-out", default=None, help="child mode: write the result here")
     args = ap.parse_args(argv)
-    if args.path is not None:
-        r = run_path(args)
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(r, f)
-        else:
-            print(json.dumps(r))
+    if args.path is not None:  # a child: one path in this process
+        write_result(run_path(args), args.json_out)
         return
     paths = [] if args.no_cpu else list(CPU_PATHS)
     if torch.cuda.is_available() and not args.no_gpu:

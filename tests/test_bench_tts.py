@@ -5,25 +5,25 @@ from __future__ import annotations
 
 import torch
 
-from load import bench_tts, repro_stall
+from load import bench_tts, isolated_runs, repro_stall
 
 
 def test_paired_reports_only_ratios_above_noise():
-    big = bench_tts.paired([1000.0, 1200.0, 900.0], [10.0, 11.0, 12.0])
+    big = isolated_runs.paired([1000.0, 1200.0, 900.0], [10.0, 11.0, 12.0])
     assert big["median"] is not None and not big["within_noise"] and big["median"] > 50
-    same = bench_tts.paired([100.0, 130.0, 95.0], [110.0, 100.0, 120.0])
+    same = isolated_runs.paired([100.0, 130.0, 95.0], [110.0, 100.0, 120.0])
     assert same["median"] is None and same["within_noise"] and len(same["ratios"]) == 3
     # a consistent 1.5x is still noise when one side spreads 2x over the repeats
-    spread = bench_tts.paired([150.0, 300.0, 160.0], [100.0, 200.0, 105.0])
+    spread = isolated_runs.paired([150.0, 300.0, 160.0], [100.0, 200.0, 105.0])
     assert spread["median"] is None and spread["band"] >= 2.0
     # faster beyond the band counts too (ratio below 1 / band)
-    fast = bench_tts.paired([1.0, 1.1, 1.0], [10.0, 10.5, 11.0])
+    fast = isolated_runs.paired([1.0, 1.1, 1.0], [10.0, 10.5, 11.0])
     assert fast["median"] is not None and fast["median"] < 0.2
 
 
 def test_med_range_skips_missing_values():
-    assert bench_tts.med_range([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
-    assert bench_tts.med_range([None]) == {"median": None, "min": None, "max": None}
+    assert isolated_runs.med_range([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert isolated_runs.med_range([None]) == {"median": None, "min": None, "max": None}
 
 
 def test_child_gets_the_parents_settings():
