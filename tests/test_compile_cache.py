@@ -14,7 +14,6 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
 
 from pipeline.compile_cache import ARTIFACTS, CompileCache, cache_root, warm_start
 

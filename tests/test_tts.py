@@ -7,7 +7,7 @@ import torch
 
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, arch_from_hf_config, load_csm, map_hf_state_dict, tiny_arch
-from pipeline.tts.engine import Segment, TTSBusyError, TTSEngine
+from pipeline.tts.engine import Segment, TTSEngine
 from pipeline.tts.mimi import FRAME_SIZE, SlotDecoder, load_mimi
 from pipeline.tts.sampling import race_noise
 
