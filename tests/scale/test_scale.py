@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 
 import numpy as np
@@ -225,44 +226,57 @@ except UnknownStream as exc:
     assert "UNKNOWN_STREAM True" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
 
 
-def _watch_health(stop: dict) -> list[tuple[float, int | None]]:
-    seen = []
-    while not stop.get("done"):
-        seen.append((time.monotonic(), healthz()))
-        time.sleep(0.25)
-    return seen
+class HealthWatch:
+    """Polls /healthz every 0.25 s on a daemon thread until stopped: ``seen`` holds (time, status).
+    A context manager, so a test that fails midway still stops it (a thread left polling would
+    keep the test process from exiting)."""
+
+    def __init__(self):
+        self.seen: list[tuple[float, int | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.seen.append((time.monotonic(), healthz()))
+            self._stop.wait(0.25)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def statuses(self) -> list[int | None]:
+        return [status for _, status in self.seen]
 
 
 def test_tts_replica_killed_mid_reply(cluster):
     """The TTS replica dies while a reply plays: that session gets engine_unavailable and the
     reply's response.done within 2 s of the last audio it heard, /healthz says 503 until Serve has replaced the replica,
     then the same session's next turn is served in full; a second, idle session is not dropped."""
-    import threading
-
     async def go():
         async with Conversation(URL) as conv, Conversation(URL) as bystander:
             await conv.say_text("Warm up, please.")
             turn = await conv.send_text_turn("Tell me a long story about a fox and a crow, please.")
             await conv.wait_for(lambda m: m["type"] == "audio" and m["turn"] == turn, timeout=120)
             (tts,) = cluster.replicas("TTS")
-            stop: dict = {}
-            watcher = threading.Thread(target=lambda: stop.setdefault("seen", _watch_health(stop)))
-            watcher.start()
-            killed_at = time.monotonic()
-            cluster.kill(tts["pid"])
-            err = await conv.wait_for(lambda m: m["type"] == "error", timeout=30)
-            told_at = time.monotonic()
-            await conv.wait_for(lambda m: m["type"] == "response.done" and m["turn"] == turn, timeout=30)
-            done_at = time.monotonic()
-            last_audio_at = max(conv.turns[turn].chunk_times)  # the reply's audio before the error
-            healthy_at = await asyncio.to_thread(_wait_healthy)
-            stop["done"] = True
-            await asyncio.to_thread(watcher.join)
+            with HealthWatch() as health:
+                killed_at = time.monotonic()
+                cluster.kill(tts["pid"])
+                err = await conv.wait_for(lambda m: m["type"] == "error", timeout=30)
+                told_at = time.monotonic()
+                await conv.wait_for(lambda m: m["type"] == "response.done" and m["turn"] == turn, timeout=30)
+                done_at = time.monotonic()
+                last_audio_at = max(conv.turns[turn].chunk_times)  # the reply's audio before the error
+                healthy_at = await asyncio.to_thread(_wait_healthy)
             nxt = await conv.say_text("Are you back?")
             served_at = time.monotonic()
             other = await bystander.say_text("And me?")
             return (err, told_at - killed_at, told_at - last_audio_at, done_at - told_at, healthy_at - killed_at,
-                    served_at - killed_at, nxt, other, conv.errors, bystander.errors, stop["seen"], tts,
+                    served_at - killed_at, nxt, other, conv.errors, bystander.errors, health.statuses(), tts,
                     cluster.replicas("TTS"))
 
     (err, told_s, silence_s, done_s, healthy_s, served_s, nxt, other, errors, bystander_errors, health, old,
@@ -275,7 +289,7 @@ def test_tts_replica_killed_mid_reply(cluster):
     # last audio it heard, and the reply's response.done right after the error.
     assert silence_s <= 2.0 and done_s <= 0.5
     assert [e["code"] for e in errors] == [P.E_ENGINE_UNAVAILABLE]
-    assert 503 in [status for _, status in health]
+    assert 503 in health
     check_turn_order(nxt)
     check_audio(nxt)
     check_turn_order(other)
@@ -283,13 +297,17 @@ def test_tts_replica_killed_mid_reply(cluster):
     assert [r["unique_id"] for r in new] != [old["unique_id"]]  # Serve replaced it
 
 
-def test_stt_replica_killed_mid_utterance(cluster):
-    """The STT replica holding a spoken turn dies while the person is still speaking: that
-    session gets one engine_unavailable within 2 s; the audio heard so far is lost (later frames
-    of the turn ask for a recogniser again, so the rest of it may become a turn of its own); the
-    session's next spoken turn is recognised in full; /healthz reports the outage; a second
-    session is not dropped."""
-    import threading
+def test_stt_replica_killed_mid_utterance(cluster, offline_text):
+    """The STT replica holding a spoken turn dies while the person is still speaking. What the
+    session hears depends on what the gateway's next call for the turn meets first (a race
+    inside Ray: how soon Serve's router drops the dead replica from its ring):
+    - the dead replica: one engine_unavailable within 2 s; the audio heard so far is lost (later
+      frames of the turn ask for a recogniser again, so the rest of it may become a turn of its own);
+    - the ring without it: the call lands on the other replica, which does not hold the stream
+      (UnknownStream); the session opens it there and replays the turn's audio so far: no error,
+      and the turn's transcript, within 2 s of turn.end, is the offline transcript of all of it.
+    Either way: the session's next spoken turn is recognised in full; /healthz reports the
+    outage; a second session is not dropped. Which way it went is printed."""
 
     async def go():
         async with Conversation(URL) as conv, Conversation(URL) as bystander:
@@ -301,39 +319,53 @@ def test_stt_replica_killed_mid_utterance(cluster):
             after = by_replica(OPENED)
             (holder,) = [r for r in after if after[r] > before.get(r, 0.0)]
             (replica,) = [r for r in cluster.replicas("STT") if r["unique_id"] == holder]
-            stop: dict = {}
-            watcher = threading.Thread(target=lambda: stop.setdefault("seen", _watch_health(stop)))
-            watcher.start()
-            killed_at = time.monotonic()
-            cluster.kill(replica["pid"])
-            sender = asyncio.create_task(conv.send_audio(speech[16000:], chunk_ms=100, realtime=True))
-            err = await conv.wait_for(lambda m: m["type"] == "error", timeout=30)
-            told_at = time.monotonic()
-            await sender
-            await conv.send(P.client_turn_end())
-            await _handled(conv)  # a transcript of the turn's rest, if any, came before this answer
-            rest = conv.turns.get(2)
-            if rest is not None:
-                await conv.wait_for(lambda m: m["type"] == "response.done" and m["turn"] == 2)
-            healthy_at = await asyncio.to_thread(_wait_healthy)
-            stop["done"] = True
-            await asyncio.to_thread(watcher.join)
+            ended: dict = {}
+
+            async def speak_on():
+                await conv.send_audio(speech[16000:], chunk_ms=100, realtime=True)
+                ended["at"] = time.monotonic()
+                await conv.send(P.client_turn_end())
+
+            with HealthWatch() as health:
+                killed_at = time.monotonic()
+                cluster.kill(replica["pid"])
+                sender = asyncio.create_task(speak_on())
+                first = await conv.wait_for(lambda m: m["type"] == "error" or (
+                    m["type"] == "transcript.final" and m["turn"] == 2), timeout=30)
+                heard_at = time.monotonic()
+                await sender
+                await _handled(conv)  # a transcript of the turn (or of its rest), if any, came before this answer
+                turn = conv.turns.get(2)
+                if turn is not None:
+                    await conv.wait_for(lambda m: m["type"] == "response.done" and m["turn"] == 2)
+                healthy_at = await asyncio.to_thread(_wait_healthy)
             nxt = await conv.say_audio(speech_like(1.5, seed=78), chunk_ms=160)
             served_at = time.monotonic()
             other = await bystander.say_audio(speech_like(1.2, seed=79), chunk_ms=200)
-            return (err, told_at - killed_at, healthy_at - killed_at, served_at - killed_at, rest, nxt, other,
-                    conv.errors, bystander.errors, stop["seen"], replica, cluster.replicas("STT"))
+            return (first, heard_at - killed_at, heard_at - ended.get("at", heard_at), healthy_at - killed_at,
+                    served_at - killed_at, speech, turn, nxt, other, conv.errors, bystander.errors,
+                    health.statuses(), replica, cluster.replicas("STT"))
 
-    err, told_s, healthy_s, served_s, rest, nxt, other, errors, bystander_errors, health, old, new = run(go())
-    print(json.dumps({"kill": "stt", "error_after_s": round(told_s, 3), "healthy_after_s": round(healthy_s, 2),
-                      "next_turn_served_after_s": round(served_s, 2), "rest_of_turn_heard": rest is not None}))
-    assert err["code"] == P.E_ENGINE_UNAVAILABLE
-    assert told_s <= 2.0
-    assert [e["code"] for e in errors] == [P.E_UNKNOWN_TYPE, P.E_ENGINE_UNAVAILABLE, P.E_UNKNOWN_TYPE]
-    assert 503 in [status for _, status in health]
-    if rest is not None:  # recognised from the frames after the loss only, as a turn of its own
-        check_turn_order(rest, expect_reply=False)
-    assert nxt.turn == (3 if rest is not None else 2)  # the lost audio used no turn number
+    (first, heard_s, final_after_end_s, healthy_s, served_s, speech, turn, nxt, other, errors, bystander_errors,
+     health, old, new) = run(go())
+    lost = first["type"] == "error"
+    print(json.dumps({"kill": "stt", "outcome": "turn lost" if lost else "turn restarted on the other replica",
+                      "error_after_s" if lost else "final_after_turn_end_s": round(heard_s if lost else final_after_end_s, 3),
+                      "healthy_after_s": round(healthy_s, 2), "next_turn_served_after_s": round(served_s, 2)}))
+    if lost:
+        assert first["code"] == P.E_ENGINE_UNAVAILABLE
+        assert heard_s <= 2.0
+        assert [e["code"] for e in errors] == [P.E_UNKNOWN_TYPE, P.E_ENGINE_UNAVAILABLE, P.E_UNKNOWN_TYPE]
+        if turn is not None:  # recognised from the frames after the loss only, as a turn of its own
+            check_turn_order(turn, expect_reply=False)
+        assert nxt.turn == (3 if turn is not None else 2)  # the lost audio used no turn number
+    else:
+        assert final_after_end_s <= 2.0
+        assert [e["code"] for e in errors] == [P.E_UNKNOWN_TYPE, P.E_UNKNOWN_TYPE]  # the _handled probes only
+        check_turn_order(turn)
+        assert turn.final_text == offline_text(speech)  # nothing of the turn was lost
+        assert nxt.turn == 3
+    assert 503 in health
     check_turn_order(nxt)
     assert nxt.final_text.strip()
     check_turn_order(other)
