@@ -8,3 +8,20 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+
+import faulthandler  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+# After the last test, the process has this long to exit.
+EXIT_GRACE_S = 180
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A non-daemon thread a test left running keeps this process from ever exiting: CI then waits
+    out its whole limit and lands nothing (it happened: a /healthz poller outlived a failed test).
+    If the process has not exited ``EXIT_GRACE_S`` after the run, every thread's stack goes to
+    stderr and it exits with status 1."""
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.__stderr__)
