@@ -8,8 +8,8 @@ the TTS on the second node.
 - an STT call for a stream the replica does not hold is answered clearly (UnknownStream);
 - ``kill -9`` of the TTS replica mid-reply and of the STT replica that holds a turn mid-utterance:
   the affected session hears ``engine_unavailable`` within 2 s of the last audio it got (never silence, never
-  ``internal``), ``/healthz`` reports the outage, the next turn is served in full, and no session
-  is dropped.
+  ``internal``), or, for the STT, has its turn restarted on the other replica with nothing lost;
+  ``/healthz`` reports the outage, the next turn is served in full, and no session is dropped.
 The times measured (kill -> error, kill -> next turn served) are printed for the closing note;
 they are not asserted beyond the 2 s bound the protocol promises.
 """
