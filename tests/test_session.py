@@ -132,13 +132,19 @@ def _past_first_clause(msgs: list[dict], max_words: int) -> bool:
     return bool(clauses) and len(text.replace(" ", "")) > len(clauses[0].replace(" ", ""))
 
 
+async def _playing_long_reply(backends, **cfg) -> tuple[Recorder, Session]:
+    """A started, paced session whose first reply (a long story) has begun to play."""
+    rec = Recorder()
+    s = Session(rec, backends, SessionConfig(pace_lead_s=0.1, **cfg))
+    await s.start()
+    await s.on_frame(P.client_text("Tell me a long story."))
+    await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+    return rec, s
+
+
 def test_interruption_truncates_history_and_stops_audio(backends):
     async def go():
-        rec = Recorder()
-        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1))  # paced: the reply takes real time
-        await s.start()
-        await s.on_frame(P.client_text("Tell me a long story."))
-        await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+        rec, s = await _playing_long_reply(backends)  # paced: the reply takes real time
         # Interrupt once the text sent runs past the first clause: the first clause plays for at least
         # min_frames (480 ms), so the second cannot have started yet and the reply must be cut.
         await rec.wait(lambda _: _past_first_clause(rec.turn(1), s.cfg.clause_max_words))
@@ -194,12 +200,8 @@ async def _say(s, pcm, frame=1600):
 
 def test_barge_in_by_speech(backends):
     async def go():
-        rec = Recorder()
         # No grace period (test_no_barge_in_during_the_grace_period covers it), so no waiting for one.
-        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1, barge_in_grace_s=0.0))
-        await s.start()
-        await s.on_frame(P.client_text("Tell me a long story."))
-        await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+        rec, s = await _playing_long_reply(backends, barge_in_grace_s=0.0)
         # Text past the first clause has been sent, so the cut reply is a proper prefix of it.
         await rec.wait(lambda _: _past_first_clause(rec.turn(1), s.cfg.clause_max_words))
         await _say(s, speech_like(2.5, seed=11))  # the user talks over the reply
@@ -226,11 +228,7 @@ def test_no_barge_in_during_the_grace_period(backends):
     """Words heard while the reply's first barge_in_grace_s of audio plays do not interrupt it. The
     grace period outlasts the test (60 s), so no clock has to be waited on."""
     async def go():
-        rec = Recorder()
-        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1, barge_in_grace_s=60.0))
-        await s.start()
-        await s.on_frame(P.client_text("Tell me a long story."))
-        await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+        rec, s = await _playing_long_reply(backends, barge_in_grace_s=60.0)
         await _say(s, speech_like(2.5, seed=11))  # the same speech that interrupts without a grace period
         await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
         await s.close()  # the spoken turn's partials are all this test needs of it
@@ -246,11 +244,7 @@ def test_no_barge_in_during_the_grace_period(backends):
 
 def test_quiet_noise_does_not_barge_in(backends):
     async def go():
-        rec = Recorder()
-        s = Session(rec, backends, SessionConfig(pace_lead_s=0.1, barge_in_grace_s=0.0))
-        await s.start()
-        await s.on_frame(P.client_text("Tell me a long story."))
-        await rec.wait(lambda m: m["type"] == "audio" and m["turn"] == 1)
+        rec, s = await _playing_long_reply(backends, barge_in_grace_s=0.0)
         rng = np.random.default_rng(0)
         await _say(s, (rng.standard_normal(40000) * 100).astype(np.int16))  # rms ~0.003 of full scale
         await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
