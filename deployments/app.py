@@ -16,7 +16,7 @@ from deployments.tts import TTS
 from pipeline import metrics
 from pipeline.auth import AuthConfig, load_tokens
 from pipeline.llm.config import LLMConfig
-from pipeline.session import SessionConfig
+from pipeline.session_config import SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
 
@@ -92,4 +92,5 @@ def build_app(args: dict[str, Any]) -> Application:
     cfg = configs(AppArgs(**(args or {})))
     if os.environ.get(metrics.MULTIPROC_ENV):
         metrics.prepare_multiproc_dir(os.environ[metrics.MULTIPROC_ENV])
-    return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"])
+    return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"],
+                        cfg["tts"].voice_names())

@@ -5,7 +5,7 @@ import asyncio
 import functools
 import logging
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import numpy as np
 from fastapi import FastAPI, Request, WebSocket
@@ -24,7 +24,9 @@ from pipeline.auth import AuthConfig, Authenticator, load_tokens
 from pipeline.client_limits import ClientLimits
 from pipeline.connection import ClientGone, SessionRegistry, refuse_options, serve_connection, session_options
 from pipeline.listening import warm_listening
-from pipeline.session import Backends, EngineUnavailable, NoFreeSlot, SessionConfig
+from pipeline.realtime.session import RealtimeSession
+from pipeline.engines import USER_RATE, Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Voice
+from pipeline.session_config import SessionConfig
 from pipeline.tts.prompt import Segment
 
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None)
@@ -87,9 +89,12 @@ class WebSocketConnection:
         frame = msg.get("bytes")
         return frame if frame is not None else msg.get("text", "")
 
-    async def send(self, frame: bytes) -> None:
+    async def send(self, frame: bytes | str) -> None:
         try:
-            await self.ws.send_bytes(frame)
+            if isinstance(frame, str):
+                await self.ws.send_text(frame)
+            else:
+                await self.ws.send_bytes(frame)
         except WebSocketDisconnect:
             raise ClientGone() from None
 
@@ -132,15 +137,16 @@ class RayBackends(Backends):
     async def stt_close(self, sid: str) -> None:
         await self._stt(sid).close.remote(sid)
 
-    def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]:
-        return _remote_stream(self.llm.options(stream=True).stream.remote(messages))
+    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | LLMFinish]:
+        return _remote_stream(self.llm.options(stream=True).stream.remote(messages, **options))
 
-    def tts_stream(self, text: str, context: list[Segment]) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
-        return _remote_stream(self.tts.options(stream=True).stream.remote(text, context))
+    def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None
+                   ) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        return _remote_stream(self.tts.options(stream=True).stream.remote(text, context, voice))
 
     @_engine_call
-    async def tts_encode(self, pcm: np.ndarray) -> np.ndarray:
-        return await self.tts.encode.remote(pcm)
+    async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
+        return await self.tts.encode.remote(pcm, rate)
 
 
 def _address(client) -> str:
@@ -166,8 +172,9 @@ async def _deny(ws: WebSocket, refused: Refused) -> None:
 @serve.ingress(api)
 class Gateway:
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
-                 auth: dict):
+                 auth: dict, voices: tuple[str, ...] = ("default",)):
         self.backends = RayBackends(stt, llm, tts)
+        self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
         self.session_cfg = self._session_config(dict(session))
         for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT, P.E_SERVER_BUSY, P.E_IDLE_TIMEOUT, P.E_TURN_TOO_LONG,
@@ -259,17 +266,25 @@ class Gateway:
             on_smart_turn=metrics.SMART_TURN.observe,
         )
 
-    @api.websocket("/v1/conversation")
-    async def conversation(self, ws: WebSocket) -> None:
-        """The handshake is checked before the upgrade (pipeline.admission); admission, the
-        receive loop, limits and clean-up of the session live in pipeline.connection (no Ray)."""
+    async def _admitted(self, ws: WebSocket) -> tuple[Handshake, object] | None:
+        """The handshake checked before the upgrade (pipeline.admission): its admission, or None
+        once refused with an HTTP error instead of the upgrade."""
         hs = Handshake(dict(ws.headers), dict(ws.query_params), _address(ws.client))
         try:
-            admission = self.gate.admit(hs)
+            return hs, self.gate.admit(hs)
         except Refused as refused:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             await _deny(ws, refused)
+            return None
+
+    @api.websocket("/v1/conversation")
+    async def conversation(self, ws: WebSocket) -> None:
+        """Protocol v1 (docs/protocol.md). Admission, the receive loop, limits and clean-up of the
+        session live in pipeline.connection (no Ray)."""
+        admitted = await self._admitted(ws)
+        if admitted is None:
             return
+        hs, admission = admitted
         try:
             await ws.accept()
             conn = WebSocketConnection(ws)
@@ -278,7 +293,25 @@ class Gateway:
             except ValueError as exc:
                 await refuse_options(conn, str(exc))
                 return
-            await serve_connection(conn, self.backends, cfg, self.sessions)
+            await serve_connection(conn, self.backends, cfg, self.sessions, voices=self.voices)
+        finally:
+            admission.release()
+
+    @api.websocket("/v1/realtime")
+    async def realtime(self, ws: WebSocket) -> None:
+        """The OpenAI Realtime protocol (docs/realtime.md) on the same conversation core, with the
+        same admission and limits. ``?model=`` is echoed in the session; ``OpenAI-Beta:
+        realtime=v1`` selects the beta event names."""
+        admitted = await self._admitted(ws)
+        if admitted is None:
+            return
+        hs, admission = admitted
+        try:
+            await ws.accept()
+            beta = "realtime=v1" in hs.headers.get("openai-beta", "")
+            await serve_connection(WebSocketConnection(ws), self.backends, self.session_cfg, self.sessions,
+                                   session_class=RealtimeSession, voices=self.voices,
+                                   model=hs.query.get("model") or "gapless", beta=beta)
         finally:
             admission.release()
 

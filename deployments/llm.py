@@ -14,6 +14,6 @@ class LLM(ModelReplica):
         self.start_engine("llm", cfg, load_llm)
         self.svc = LLMService(self.engine, self.thread)
 
-    async def stream(self, messages: list[dict]):
-        async for delta in self.svc.stream(messages):
+    async def stream(self, messages: list[dict], **options):
+        async for delta in self.svc.stream(messages, **options):
             yield delta

@@ -4,6 +4,7 @@ from __future__ import annotations
 from ray import serve
 
 from deployments.replica import ModelReplica
+from pipeline.engines import USER_RATE
 from pipeline.services import load_tts, TTSService
 from pipeline.tts.config import TTSConfig
 
@@ -14,9 +15,9 @@ class TTS(ModelReplica):
         self.start_engine("tts", cfg, load_tts)
         self.svc = TTSService(self.engine, self.thread)
 
-    async def stream(self, text: str, context: list | None = None):
-        async for item in self.svc.stream(text, context):
+    async def stream(self, text: str, context: list | None = None, voice=None):
+        async for item in self.svc.stream(text, context, voice):
             yield item
 
-    async def encode(self, pcm_16k):
-        return await self.svc.encode(pcm_16k)
+    async def encode(self, pcm, rate: int = USER_RATE):
+        return await self.svc.encode(pcm, rate)

@@ -28,14 +28,20 @@ class TurnResult:
     chunk_times: list[float] = field(default_factory=list)
     interrupted: bool | None = None
     timings: dict | None = None  # response.done's optional server-side split (ms)
+    status: str | None = None  # Realtime protocol: the response's status (completed, cancelled, ...)
     types: list[str] = field(default_factory=list)  # message types in arrival order
     ended_at: float = 0.0  # when the client ended the turn (sent turn.end / text)
     final_at: float = 0.0
     done_at: float = 0.0
+    output_rate: int = P.OUTPUT_SAMPLE_RATE  # of ``chunks`` (a Realtime session in G.711: 8000)
 
     @property
     def audio(self) -> np.ndarray:
         return np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.int16)
+
+    @property
+    def audio_s(self) -> float:
+        return sum(len(c) for c in self.chunks) / self.output_rate
 
     @property
     def time_to_first_audio(self) -> float | None:

@@ -2,6 +2,7 @@
 
     python -m load.concurrency --sessions 1,2,4 --seconds 60 --out out/load
     python -m load.concurrency --sessions 1 --idle 40      # one speaker beside 40 silent sockets
+    python -m load.concurrency --sessions 1,2,4 --protocol realtime   # the same over the OpenAI Realtime endpoint
 
 For each N it runs N conversations at once (typed and spoken turns, like the gap test) until
 the time is up, then reports p50/p95/p99 of the chunk gap and time to first audio, errors, and
@@ -23,15 +24,14 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from load.client import Conversation, add_token_argument
-from load.gaps import SPOKEN, TYPED, spoken_audio
+from load.client import add_token_argument
+from load.gaps import PROTOCOLS, SPOKEN, TYPED, URLS, client, spoken_audio
 
 
 async def one_conversation(url: str, token: str | None, idx: int, deadline: float, t0: float, samples: list,
-                           errors: list,
-                           audio_cache: dict) -> None:
+                           errors: list, audio_cache: dict, protocol: str = "v1") -> None:
     try:
-        async with Conversation(url, token=token) as conv:
+        async with client(protocol, url, token) as conv:
             i = idx  # stagger what each session says
             while time.monotonic() < deadline:
                 if i % 2 == 0:
@@ -48,11 +48,12 @@ async def one_conversation(url: str, token: str | None, idx: int, deadline: floa
         errors.append(f"{type(exc).__name__}")
 
 
-async def idle_sessions(url: str, token: str | None, k: int, errors: list, stack: contextlib.AsyncExitStack) -> None:
+async def idle_sessions(url: str, token: str | None, k: int, errors: list, stack: contextlib.AsyncExitStack,
+                        protocol: str = "v1") -> None:
     """Open ``k`` sessions that say nothing for the rest of the level (closed with ``stack``)."""
     for _ in range(k):
         try:
-            conv = await stack.enter_async_context(Conversation(url, token=token))
+            conv = await stack.enter_async_context(client(protocol, url, token))
         except Exception as exc:  # noqa: BLE001 - a refused idle socket is an error of the level
             errors.append(f"idle:{type(exc).__name__}")
             continue
@@ -60,20 +61,23 @@ async def idle_sessions(url: str, token: str | None, k: int, errors: list, stack
             errors.extend(f"idle:{e['code']}" for e in conv.errors)
 
 
-async def run_level(url: str, n: int, seconds: float, progress: bool, idle: int = 0, token: str | None = None) -> dict:
+async def run_level(url: str, n: int, seconds: float, progress: bool, idle: int = 0, token: str | None = None,
+                    protocol: str = "v1") -> dict:
     async with contextlib.AsyncExitStack() as stack:
         errors: list = []
-        await idle_sessions(url, token, idle, errors, stack)
-        return await _speak_level(url, token, n, seconds, progress, errors)
+        await idle_sessions(url, token, idle, errors, stack, protocol)
+        return await _speak_level(url, token, n, seconds, progress, errors, protocol)
 
 
-async def _speak_level(url: str, token: str | None, n: int, seconds: float, progress: bool, errors: list) -> dict:
+async def _speak_level(url: str, token: str | None, n: int, seconds: float, progress: bool, errors: list,
+                       protocol: str) -> dict:
     # synthesized before any session starts: nothing may block the event loop mid-conversation
     cache = {k: spoken_audio(k, text)[0] for k, text in enumerate(SPOKEN)}
     t0 = time.monotonic()
     deadline = t0 + seconds
     samples: list = []
-    tasks = [asyncio.create_task(one_conversation(url, token, k, deadline, t0, samples, errors, cache)) for k in range(n)]
+    tasks = [asyncio.create_task(one_conversation(url, token, k, deadline, t0, samples, errors, cache, protocol))
+             for k in range(n)]
     while not all(t.done() for t in tasks):
         await asyncio.sleep(1)
         if progress:
@@ -131,7 +135,8 @@ def draw(levels: list[dict], max_gap_s: float, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="ws://127.0.0.1:8000/v1/conversation")
+    ap.add_argument("--protocol", choices=PROTOCOLS, default="v1", help="v1 (msgpack) or realtime (OpenAI Realtime)")
+    ap.add_argument("--url", default=None, help="default: the protocol's endpoint on 127.0.0.1:8000")
     ap.add_argument("--sessions", default="1,2,4", help="comma-separated concurrency levels")
     ap.add_argument("--seconds", type=float, default=60, help="duration of each level")
     ap.add_argument("--max-gap-ms", type=float, default=500)
@@ -140,14 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     add_token_argument(ap)
     args = ap.parse_args(argv)
-    host = urlparse(args.url).hostname or ""
+    url = args.url or URLS[args.protocol]
+    host = urlparse(url).hostname or ""
     if not (host == "localhost" or host.startswith("127.") or host == "::1"):
         print(f"refusing to load-test {host}: loopback targets only", file=sys.stderr)
         return 2
     max_gap_s = args.max_gap_ms / 1000
     levels, rows = [], []
     for n in [int(x) for x in args.sessions.split(",")]:
-        lv = asyncio.run(run_level(args.url, n, args.seconds, not args.no_progress, args.idle, args.token))
+        lv = asyncio.run(run_level(url, n, args.seconds, not args.no_progress, args.idle, args.token, args.protocol))
         levels.append(lv)
         rows.append(level_summary(lv, max_gap_s))
     print(f"{'N':>3} {'turns':>5} {'gap p50':>8} {'p95':>7} {'p99':>7} {'max':>7} {'>lim':>5} {'ttfa p50':>9} {'p95':>7} {'err':>4}")
@@ -161,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"levels": rows, "idle_sessions": args.idle, "largest_passing_n": largest}, indent=1))
     draw(levels, max_gap_s, out.with_suffix(".png"))
-    print(json.dumps({"largest_passing_n": largest, "idle_sessions": args.idle, "levels": rows}))
+    print(json.dumps({"protocol": args.protocol, "largest_passing_n": largest, "idle_sessions": args.idle,
+                      "levels": rows}))
     return 0
 
 

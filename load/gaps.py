@@ -1,6 +1,8 @@
 """Gap test: hold a multi-turn conversation and fail if any reply has dead air.
 
     python -m load.gaps --turns 10 --max-gap-ms 500 --out out/gap
+    python -m load.gaps --turns 10 --protocol realtime --process-cpu   # the OpenAI Realtime endpoint,
+                                                                       # with the gateway's CPU per audio second
 
 Turns alternate typed and spoken, each of a different length. Spoken turns come from WAV
 files synthesized with espeak-ng when it is installed (`apt-get install espeak-ng`), else from
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from load.client import Conversation, TurnResult, add_token_argument
+from load.processes import ProcessCPU
 from pipeline import protocol as P
 from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample, speech_like
 
@@ -59,12 +62,26 @@ def spoken_audio(i: int, text: str) -> tuple[np.ndarray, str]:
     return speech_like(0.8 + 0.4 * len(text.split()) / 3, seed=i), "synthetic"
 
 
-async def converse(url: str, turns: int, realtime: bool, token: str | None = None) -> tuple[list[dict], Conversation]:
+PROTOCOLS = ("v1", "realtime")
+URLS = {"v1": "ws://127.0.0.1:8000/v1/conversation", "realtime": "ws://127.0.0.1:8000/v1/realtime"}
+
+
+def client(protocol: str, url: str, token: str | None, audio_format: str = "pcm"):
+    """A conversation client of either protocol, with one interface (load.client / load.realtime_client)."""
+    if protocol == "realtime":
+        from load.realtime_client import RealtimeConversation
+
+        return RealtimeConversation(url, token=token, audio_format=audio_format)
+    return Conversation(url, token=token)
+
+
+async def converse(url: str, turns: int, realtime: bool, token: str | None = None, protocol: str = "v1",
+                   audio_format: str = "pcm") -> tuple[list[dict], Conversation]:
     rows = []
     # Synthesize every spoken turn before connecting: nothing may block the client's event loop
     # mid-conversation (it would miss the server's keepalive pings).
     spoken = {i: spoken_audio(i, SPOKEN[(i // 2) % len(SPOKEN)]) for i in range(1, turns, 2)}
-    async with Conversation(url, token=token) as conv:
+    async with client(protocol, url, token, audio_format) as conv:
         for i in range(turns):
             if i % 2 == 0:
                 text = TYPED[(i // 2) % len(TYPED)]
@@ -88,11 +105,11 @@ def turn_row(tr: TurnResult, kind: str, input_s: float) -> dict:
         "transcript": tr.final_text,
         "reply": tr.response_text,
         "chunks": len(tr.chunks),
-        "audio_s": round(len(tr.audio) / P.OUTPUT_SAMPLE_RATE, 3),
+        "audio_s": round(tr.audio_s, 3),
         "ttfa_s": None if tr.time_to_first_audio is None else round(tr.time_to_first_audio, 4),
         "gaps_s": [round(g, 4) for g in tr.gaps],
         "chunk_times_s": [round(t - t0, 4) for t in tr.chunk_times],
-        "chunk_seconds": [round(len(c) / P.OUTPUT_SAMPLE_RATE, 4) for c in tr.chunks],
+        "chunk_seconds": [round(len(c) / tr.output_rate, 4) for c in tr.chunks],
         "interrupted": tr.interrupted,
         "server_timings_ms": tr.timings,
     }
@@ -169,7 +186,15 @@ def draw_timeline(rows: list[dict], max_gap_s: float, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="ws://127.0.0.1:8000/v1/conversation")
+    ap.add_argument("--protocol", choices=PROTOCOLS, default="v1",
+                    help="v1 (msgpack, /v1/conversation) or realtime (the OpenAI Realtime protocol through the "
+                         "official openai SDK, /v1/realtime)")
+    ap.add_argument("--url", default=None, help="default: the protocol's endpoint on 127.0.0.1:8000")
+    ap.add_argument("--audio-format", choices=("pcm", "pcmu", "pcma"), default="pcm",
+                    help="realtime only: the session's audio format both ways")
+    ap.add_argument("--process-cpu", action="store_true",
+                    help="report the CPU seconds the gateway and the HTTP proxy spent per second of reply audio "
+                         "(server processes on this machine, read with psutil)")
     ap.add_argument("--turns", type=int, default=10)
     add_token_argument(ap)
     ap.add_argument("--max-gap-ms", type=float, default=500)
@@ -177,12 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/gap", help="prefix of the JSON report and PNG timeline")
     args = ap.parse_args(argv)
     max_gap_s = args.max_gap_ms / 1000
+    url = args.url or URLS[args.protocol]
+    meter = ProcessCPU() if args.process_cpu else None
     try:
-        rows, conv = asyncio.run(converse(args.url, args.turns, args.realtime, args.token))
+        rows, conv = asyncio.run(converse(url, args.turns, args.realtime, args.token, args.protocol,
+                                          args.audio_format))
     except Exception as exc:  # noqa: BLE001 - report and fail
         print(f"conversation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    summary = summarize(rows, max_gap_s)
+    summary = {"protocol": args.protocol, **summarize(rows, max_gap_s)}
+    if meter is not None:
+        audio_s = sum(r["audio_s"] for r in rows)
+        summary.update({f"{name}_cpu_ms_per_audio_s": round(1000 * cpu / audio_s, 2)
+                        for name, cpu in meter.spent().items()})
     summary["errors"] = [e["code"] for e in conv.errors]
     print_table(rows)
     out = Path(args.out)

@@ -1,8 +1,11 @@
-"""One client connection from admission to clean-up, independent of the web framework.
+"""One client connection from admission to clean-up, independent of the web framework and of the
+wire protocol.
 
-The gateway adapts its WebSocket to :class:`Connection` and hands it to :func:`serve_connection`;
-tests drive the same code with an in-memory connection, so the session limits (``max_sessions``,
-``idle_timeout_s``, the wall-clock side of ``max_turn_s``) are tested without Ray.
+The gateway adapts its WebSocket to :class:`Connection` and hands it to :func:`serve_connection`
+with the session class of the endpoint's protocol (v1's ``pipeline.session.Session``, the
+Realtime protocol's ``pipeline.realtime.session.RealtimeSession``); tests drive the same code with
+an in-memory connection, so the session limits (``max_sessions``, ``idle_timeout_s``, the
+wall-clock side of ``max_turn_s``) are tested without Ray.
 """
 from __future__ import annotations
 
@@ -10,10 +13,12 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from pipeline import protocol as P
-from pipeline.session import Backends, Session, SessionConfig
+from pipeline.engines import Backends
+from pipeline.session import Session
+from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +29,7 @@ class ClientGone(Exception):
 
 class Connection(Protocol):
     async def receive(self) -> bytes | str | None: ...  # the next client frame; None once the client left
-    async def send(self, frame: bytes) -> None: ...  # raises ClientGone if the client left
+    async def send(self, frame: bytes | str) -> None: ...  # binary or text; raises ClientGone if the client left
     async def close(self, code: int, reason: str) -> None: ...
 
 
@@ -60,13 +65,14 @@ class SessionRegistry:
 
 
 async def serve_connection(conn: Connection, backends: Backends, cfg: SessionConfig,
-                           registry: SessionRegistry) -> None:
-    """Run one client's session: refuse it if the replica is full, else greet it, feed it frames
+                           registry: SessionRegistry, session_class: type = Session, **session_args: Any) -> None:
+    """Run one client's session (of ``session_class``, built with ``session_args`` besides its
+    send, backends and settings): refuse it if the replica is full, else greet it, feed it frames
     until the client leaves or a limit closes it, and release everything it held."""
     if registry.full:
-        await _refuse_busy(conn, cfg, registry.max_sessions)
+        await _refuse_busy(conn, cfg, registry.max_sessions, session_class)
         return
-    session = Session(conn.send, backends, cfg)
+    session = session_class(conn.send, backends, cfg, **session_args)
     registry.add(session)
     try:
         await session.start()
@@ -82,13 +88,13 @@ async def serve_connection(conn: Connection, backends: Backends, cfg: SessionCon
         await session.close()
 
 
-async def _refuse_busy(conn: Connection, cfg: SessionConfig, max_sessions: int) -> None:
+async def _refuse_busy(conn: Connection, cfg: SessionConfig, max_sessions: int, session_class: type) -> None:
     """Over the cap: one error and close 1013, before any session or engine state exists."""
     if cfg.on_error:
         cfg.on_error(P.E_SERVER_BUSY)
-    msg = P.error(P.E_SERVER_BUSY, f"this server holds its maximum of {max_sessions} sessions; try again later")
+    message = f"this server holds its maximum of {max_sessions} sessions; try again later"
     try:
-        await conn.send(P.pack(msg))
+        await conn.send(session_class.error_frame(P.E_SERVER_BUSY, message))
         await conn.close(P.CLOSE_TRY_AGAIN_LATER, "server busy")
     except ClientGone:
         pass

@@ -18,6 +18,12 @@ OUTPUT_SAMPLE_RATE = 24_000
 MAX_AUDIO_SECONDS = 1.0
 MAX_AUDIO_BYTES = int(INPUT_SAMPLE_RATE * MAX_AUDIO_SECONDS) * 2
 MAX_TEXT_CHARS = 4_000
+VOICE_CLIP_RATE = 24_000  # voice.clip audio: int16 mono 24 kHz, at most 1 s a frame
+MAX_VOICE_CLIP_BYTES = VOICE_CLIP_RATE * 2
+# v1 names of the agent settings (session.update, a turn's ``response``) -> pipeline.agent.AgentSettings fields
+SETTINGS = {"instructions": "instructions", "voice": "voice", "temperature": "temperature",
+            "max_output_tokens": "max_output_tokens", "output_modalities": "modalities", "tools": "tools",
+            "tool_choice": "tool_choice"}
 # Largest frame we read at all: one second of audio plus msgpack overhead, with room to spare.
 MAX_FRAME_BYTES = 64 * 1024
 
@@ -38,6 +44,7 @@ E_SERVER_BUSY = "server_busy"          # the gateway holds max_sessions sessions
 E_ENGINE_UNAVAILABLE = "engine_unavailable"  # a model replica failed or did not answer in time; the session stays open
 E_INTERNAL = "internal"                # a server fault while handling this session
 E_BAD_OPTION = "bad_option"            # a session option in the URL query is unknown or bad; closed (1008)
+E_BAD_SETTING = "bad_setting"          # a session.update / response setting is unknown or bad; nothing changes
 
 CLOSE_NORMAL = 1000
 CLOSE_TRY_AGAIN_LATER = 1013
@@ -63,14 +70,27 @@ class AudioIn:
 @dataclass(frozen=True)
 class TextIn:
     text: str
+    response: dict | None = None  # settings for this turn's reply only (AgentSettings field names)
 
 
 @dataclass(frozen=True)
 class TurnEnd:
-    pass
+    response: dict | None = None
 
 
-ClientMessage = AudioIn | TextIn | TurnEnd
+@dataclass(frozen=True)
+class SessionUpdate:
+    settings: dict  # AgentSettings field names -> values, not yet checked
+
+
+@dataclass(frozen=True)
+class VoiceClip:
+    pcm: np.ndarray  # int16, mono, 24 kHz: the next piece of the session's reference clip
+    text: str | None  # with done: the clip's transcript
+    done: bool
+
+
+ClientMessage = AudioIn | TextIn | TurnEnd | SessionUpdate | VoiceClip
 
 
 def _field(msg: dict, name: str, kind: type | tuple[type, ...], type_name: str):
@@ -110,10 +130,39 @@ def parse_client_frame(frame: bytes | str) -> ClientMessage:
         text = _field(msg, "text", str, "a string")
         if len(text) > MAX_TEXT_CHARS:
             raise ProtocolError(E_TEXT_TOO_LONG, f"text of {len(text)} characters exceeds {MAX_TEXT_CHARS}")
-        return TextIn(text)
+        return TextIn(text, _response_settings(msg))
     if kind == "turn.end":
-        return TurnEnd()
-    raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {kind!r} (expected audio, text, turn.end)")
+        return TurnEnd(_response_settings(msg))
+    if kind == "session.update":
+        return SessionUpdate(_settings({k: v for k, v in msg.items() if k != "type"}))
+    if kind == "voice.clip":
+        pcm = msg.get("pcm", b"")
+        if not isinstance(pcm, bytes) or len(pcm) % 2 or len(pcm) > MAX_VOICE_CLIP_BYTES:
+            raise ProtocolError(E_BAD_AUDIO, f"voice.clip pcm must be bytes of int16 at {VOICE_CLIP_RATE} Hz, an even "
+                                             f"number up to {MAX_VOICE_CLIP_BYTES} (1 s)")
+        done = msg.get("done", False)
+        text = msg.get("text")
+        if not isinstance(done, bool) or (text is not None and not isinstance(text, str)):
+            raise ProtocolError(E_WRONG_TYPE, "voice.clip: done must be a boolean and text a string")
+        if done and not text:
+            raise ProtocolError(E_MISSING_FIELD, "the last voice.clip frame (done: true) needs the clip's text")
+        return VoiceClip(np.frombuffer(pcm, dtype="<i2").astype(np.int16, copy=True), text, done)
+    raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {kind!r} (expected audio, text, turn.end, "
+                                        "session.update, voice.clip)")
+
+
+def _settings(given: dict) -> dict:
+    """v1 setting names -> AgentSettings fields; an unknown name is a bad_setting."""
+    unknown = sorted(set(given) - set(SETTINGS))
+    if unknown:
+        raise ProtocolError(E_BAD_SETTING, f"unknown setting {unknown[0]!r}; known: {sorted(SETTINGS)}")
+    return {SETTINGS[k]: v for k, v in given.items()}
+
+
+def _response_settings(msg: dict) -> dict | None:
+    if "response" not in msg:
+        return None
+    return _settings(_field(msg, "response", dict, "a map of settings"))
 
 
 # ----------------------------------------------------------------------------- server -> client
@@ -165,8 +214,16 @@ def speech_event(kind: str, audio_ms: float) -> dict:
     return {"type": kind, "audio_ms": int(audio_ms)}
 
 
-def error(code: str, message: str) -> dict:
-    return {"type": "error", "code": code, "message": message}
+def error(code: str, message: str, param: str | None = None) -> dict:
+    msg = {"type": "error", "code": code, "message": message}
+    if param is not None:  # (v1 extension) the setting a bad_setting error is about
+        msg["param"] = param
+    return msg
+
+
+def session_updated(settings: dict) -> dict:
+    """(v1 extension) the agent settings now in force, after ``session.update`` or a voice clip."""
+    return {"type": "session.updated", "settings": settings}
 
 
 def client_audio(pcm: np.ndarray) -> bytes:

@@ -89,28 +89,32 @@ class InferenceThread:
         """Queue ``fn`` on the inference thread without waiting (clean-up after cancellation)."""
         self._executor.submit(fn, *args)
 
-    async def iterate(self, make: Callable[..., Iterator[T]], *args: Any) -> AsyncIterator[T]:
+    async def iterate(self, make: Callable[..., Iterator[T]], *args: Any,
+                      last: Callable[[Iterator[T]], T | None] | None = None, **kwargs: Any) -> AsyncIterator[T]:
         """Create an engine iterator and advance it one item at a time, all on this thread.
 
         Each ``next()`` is one executor call, so several streams interleave item by item.
         If the consumer stops early or is cancelled, the iterator is closed on this thread,
-        which releases its state in the engine (KV cache, streaming buffers).
+        which releases its state in the engine (KV cache, streaming buffers). ``last(it)``, if
+        given, makes one more item from the exhausted iterator (e.g. why it stopped).
         """
-        it = await self.open(make, *args)
+        it = await self.open(make, *args, **kwargs)
         try:
             while True:
                 item = await self.run(next, it, _DONE)
                 if item is _DONE:
-                    return
+                    break
+                yield item
+            if last is not None and (item := last(it)) is not None:
                 yield item
         finally:
             self.submit(getattr(it, "close", lambda: None))
 
-    async def open(self, make: Callable[..., T], *args: Any) -> T:
-        """``make(*args)`` on this thread, for something with a ``close()`` (a stream). If the caller
-        is cancelled while ``make`` runs, what it then returns has no owner: it is closed on this
-        thread as soon as it exists."""
-        future = self._executor.submit(make, *args)
+    async def open(self, make: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``make(*args, **kwargs)`` on this thread, for something with a ``close()`` (a stream). If
+        the caller is cancelled while ``make`` runs, what it then returns has no owner: it is closed
+        on this thread as soon as it exists."""
+        future = self._executor.submit(make, *args, **kwargs)
         try:
             return await asyncio.wrap_future(future, loop=asyncio.get_running_loop())
         except asyncio.CancelledError:

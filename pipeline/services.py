@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import numpy as np
 
 from pipeline import metrics
 from pipeline.runtime import InferenceThread
-from pipeline.session import Backends, NoFreeSlot, UnknownStream
+from pipeline.engines import USER_RATE, Backends, LLMFinish, NoFreeSlot, UnknownStream, Voice
 from pipeline.tts.prompt import Segment
 
 if TYPE_CHECKING:
@@ -167,6 +167,15 @@ class STTService:
         return {"active_streams": len(self.engine.active_streams)}
 
 
+def _finish(stream) -> LLMFinish | None:
+    """Why a model engine's stream stopped, with its token counts (read on the inference thread)."""
+    reason = getattr(stream, "finish_reason", None)
+    if reason not in ("stop", "length"):
+        return None
+    prompt, generated = getattr(stream, "prompt_ids", None), getattr(stream, "generated", None)
+    return LLMFinish(reason, None if prompt is None else len(prompt), None if generated is None else len(generated))
+
+
 class LLMService:
     """Streams of one LLM engine: a model engine (``stream``) steps on the inference thread, an
     HTTP engine (``astream``) waits on the event loop, so a slow upstream holds up no other stream."""
@@ -174,24 +183,31 @@ class LLMService:
     def __init__(self, engine, thread: InferenceThread):
         self.engine, self.thread = engine, thread
 
-    async def stream(self, messages: list[dict]) -> AsyncIterator[str]:
-        """Text deltas of the reply to ``messages``.
+    async def stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | LLMFinish]:
+        """Text deltas of the reply to ``messages``, then an :class:`LLMFinish` where the engine
+        tells why it stopped. ``options``: ``temperature`` and ``max_tokens`` for this reply
+        (``pipeline.engines.LLMOptions``); unknown ones are refused.
 
         Closing or cancelling this generator closes the engine's stream at once (the model's on
         the inference thread), not whenever the garbage collector finds it."""
+        unknown = set(options) - {"temperature", "max_tokens"}
+        if unknown:
+            raise TypeError(f"unknown LLM options {sorted(unknown)}")
+        overrides = {"temperature": options.get("temperature"), "max_new_tokens": options.get("max_tokens")}
+        overrides = {k: v for k, v in overrides.items() if v is not None}
         t0 = time.perf_counter()
         first = True
-        async with contextlib.aclosing(self._deltas(messages)) as deltas:
+        async with contextlib.aclosing(self._deltas(messages, overrides)) as deltas:
             async for delta in deltas:
                 if first:
                     metrics.LLM_TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - t0)
                     first = False
                 yield delta
 
-    def _deltas(self, messages: list[dict]) -> AsyncIterator[str]:
+    def _deltas(self, messages: list[dict], overrides: dict[str, Any]) -> AsyncIterator[str | LLMFinish]:
         if hasattr(self.engine, "astream"):
-            return self.engine.astream(messages)
-        return self.thread.iterate(self.engine.stream, messages)
+            return self.engine.astream(messages, **overrides)
+        return self.thread.iterate(self.engine.stream, messages, last=_finish, **overrides)
 
     def stats(self) -> dict:
         return {"active_requests": self.engine.active_requests}
@@ -246,10 +262,14 @@ class TTSService:
             self._failure = None
             self._stepper = asyncio.create_task(self._run_steps(), name="tts-steps")
 
-    async def stream(self, text: str, context: list | None = None) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
-        """(int16 chunk, codes [n, 32] of the frames that made it) for ``text`` spoken after ``context``."""
+    async def stream(self, text: str, context: list | None = None, voice: Voice | None = None
+                     ) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        """(int16 chunk, codes [n, 32] of the frames that made it) for ``text`` spoken after ``context``
+        in ``voice`` (None: the default voice; a name the engine lacks raises KeyError)."""
         t0 = time.perf_counter()
-        s = await self.thread.open(self.engine.stream, text, context)
+        profile = self.engine.voice(voice.name, voice.reference) if voice is not None else self.engine.voice()
+        s = await self.thread.open(self.engine.stream, text, self.engine.voice_context(profile, context),
+                                   profile.speaker, reference=profile.reference)
         wake = self._wakeups[s] = asyncio.Event()
         samples = 0
         try:
@@ -276,9 +296,10 @@ class TTSService:
             if not s.finished:  # stopped early: free the slot on the inference thread, before the next step
                 self.thread.submit(self.engine.cancel, s)
 
-    async def encode(self, pcm_16k: np.ndarray) -> np.ndarray:
-        """A user turn's audio (int16, 16 kHz) to Mimi codes [T, 32], once, for the context."""
-        codes = await self.thread.run(self.engine.encode_user_audio, pcm_16k)
+    async def encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
+        """Audio (int16 at ``rate``: a user turn at 16 kHz, a voice clip at 24 kHz) to Mimi codes
+        [T, 32], once, for the context."""
+        codes = await self.thread.run(self.engine.encode_audio, pcm, rate)
         self._count_unseen_shapes()
         return codes
 
@@ -316,11 +337,12 @@ class LocalBackends(Backends):
     async def stt_close(self, sid: str) -> None:
         await self.stt.close(sid)
 
-    def llm_stream(self, messages: list[dict]) -> AsyncIterator[str]:
-        return self.llm.stream(messages)
+    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | LLMFinish]:
+        return self.llm.stream(messages, **options)
 
-    def tts_stream(self, text: str, context: list[Segment]) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
-        return self.tts.stream(text, context)
+    def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None
+                   ) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        return self.tts.stream(text, context, voice)
 
-    async def tts_encode(self, pcm: np.ndarray) -> np.ndarray:
-        return await self.tts.encode(pcm)
+    async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
+        return await self.tts.encode(pcm, rate)

@@ -22,6 +22,8 @@ from pipeline.tts.mimi import FRAME_SIZE
 torch.set_num_threads(1)
 
 BACKEND = os.environ.get("GAPLESS_STALL_BACKEND", "inductor")
+# a configured voice whose clip (4.10 s, longer than the largest encode bucket here) is encoded at warm-up
+ROBOT = {"speaker": 2, "clip": "voices/robot.wav", "text": "Hello. I am the robot voice, and I speak a little slowly."}
 RATE_16K = 16_000
 
 
@@ -34,7 +36,8 @@ def counter():
 def warm(counter):
     # two slots: frame-step graphs at widths 1 and 2 (inductor needs minutes per graph on 2 cores)
     cfg = TTSConfig.tiny(max_frames=12, max_seq_len=128, prefill_buckets=(64, 128), encode_buckets=(13, 25), num_slots=2,
-                         compile=True, compile_backend=BACKEND, stance_after_warmup="fail_on_recompile")
+                         compile=True, compile_backend=BACKEND, stance_after_warmup="fail_on_recompile",
+                         voices={"robot": ROBOT})
     engine = TTSEngine(cfg)
     before = counter.total
     engine.warmup()
@@ -78,6 +81,31 @@ def test_conversation_after_warmup_compiles_nothing(warm, counter):
     assert counter.after_warmup == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert engine.stats()["unseen_shape_calls"] == 0
+
+
+def test_voices_and_session_clips_compile_nothing(warm, counter):
+    """A configured voice's clip (encoded at warm-up) and a session's own clips at lengths never
+    seen (24 kHz, as the Realtime endpoint and v1's voice.clip carry them) lead prompts with
+    nothing compiled and no unseen shape."""
+    engine = warm
+    compiles, unseen = counter.after_warmup, engine.stats()["unseen_shape_calls"]
+    robot = engine.voice("robot")
+    assert robot.speaker == 2 and robot.reference.codes.shape == (52, 32)  # 98 437 samples / 1920 -> 52 (by hand)
+    assert engine.voice("alloy") == engine.voice()  # OpenAI's names speak as the default voice
+    # (seconds, frames): ceil(seconds / 0.08 s) by hand: 0.93 -> 11.6 -> 12, 1.71 -> 21.4 -> 22, 3.37 -> 42.1 -> 43
+    for seconds, frames in ((0.93, 12), (1.71, 22), (3.37, 43)):
+        from pipeline.audio import float_to_int16, int16_to_float, resample
+
+        clip = float_to_int16(resample(int16_to_float(_speech(seconds, seed=frames)), RATE_16K, 24_000))
+        codes = engine.encode_audio(clip, 24_000)
+        assert codes.shape == (frames, 32)
+        own = engine.voice("robot", Segment(0, "my own clip", codes))
+        assert own.reference.speaker == 2 and own.reference.codes is codes
+        for profile in (robot, own):
+            s = engine.stream("Hi there.", engine.voice_context(profile, []), profile.speaker, reference=profile.reference)
+            assert len(list(s)) > 0
+    assert counter.after_warmup == compiles
+    assert engine.stats()["unseen_shape_calls"] == unseen
 
 
 def test_naive_compiled_encode_recompiles_for_a_new_length(warm, counter):

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 import httpx
 
+from pipeline.engines import LLMFinish
 from pipeline.llm.config import LLMConfig
 from pipeline.llm.engine import Message, build_prompt
 
@@ -49,12 +50,13 @@ class OpenAIEngine:
     def warmup(self) -> None:
         """Nothing to load; the server warms itself."""
 
-    async def astream(self, messages: list[Message], **overrides: Any) -> AsyncIterator[str]:
+    async def astream(self, messages: list[Message], **overrides: Any) -> AsyncIterator[str | LLMFinish]:
         """Text deltas of the reply to ``messages``; keyword arguments as :meth:`request_body`.
 
         Closing or cancelling the generator closes the HTTP response (the server sees the
         connection drop and stops generating)."""
         body = self.request_body(messages, **overrides)
+        reason, usage = None, None
         self._active += 1  # only the event loop's thread touches the count
         try:
             async with self._http().stream("POST", self._url, json=body, headers=self._headers()) as resp:
@@ -62,12 +64,18 @@ class OpenAIEngine:
                 resp.encoding = "utf-8"  # SSE is UTF-8 whatever the Content-Type says
                 async for data in _sse_data(resp.aiter_lines()):
                     if data == _DONE:
-                        return
-                    delta = _delta(data)
+                        break
+                    chunk = _chunk(data)
+                    delta = _delta(chunk)
                     if delta:
                         yield delta
+                    reason = _finish_reason(chunk) or reason
+                    usage = chunk.get("usage") or usage
         finally:
             self._active -= 1
+        if reason == "length" or usage:  # something to tell beyond a natural end
+            usage = usage or {}
+            yield LLMFinish(reason or "stop", usage.get("prompt_tokens"), usage.get("completion_tokens"))
 
     def request_body(
         self,
@@ -145,16 +153,28 @@ async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
-def _delta(data: str) -> str:
-    """The text of one chunk; raises :class:`OpenAIStreamError` on an error event or bad JSON."""
+def _chunk(data: str) -> dict:
+    """One SSE payload as a chunk; raises :class:`OpenAIStreamError` on an error event or bad JSON."""
     try:
         chunk = json.loads(data)
     except json.JSONDecodeError as exc:
         raise OpenAIStreamError(f"bad SSE payload: {data[:200]!r}") from exc
+    if not isinstance(chunk, dict):
+        raise OpenAIStreamError(f"bad SSE payload: {data[:200]!r}")
     if "error" in chunk:
         raise OpenAIStreamError(f"server error: {chunk['error']}")
+    return chunk
+
+
+def _delta(chunk: dict) -> str:
+    """The text of one chunk."""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
     choice = choices[0]
     return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+
+
+def _finish_reason(chunk: dict) -> str | None:
+    choices = chunk.get("choices") or []
+    return choices[0].get("finish_reason") if choices else None

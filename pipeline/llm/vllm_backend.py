@@ -42,7 +42,8 @@ class VLLMEngine:
     def _count(self, messages: list[dict]) -> int:
         return len(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
 
-    def stream(self, messages: list[dict], *, max_new_tokens: int | None = None, **_: Any) -> "VLLMStream":
+    def stream(self, messages: list[dict], *, max_new_tokens: int | None = None, temperature: float | None = None,
+               **_: Any) -> "VLLMStream":
         from vllm import SamplingParams
 
         cfg = self.cfg
@@ -51,7 +52,7 @@ class VLLMEngine:
         prompt = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         params = SamplingParams(
             max_tokens=max_new_tokens or cfg.max_new_tokens,
-            temperature=cfg.temperature,
+            temperature=cfg.temperature if temperature is None else float(temperature),
             top_k=cfg.top_k if cfg.top_k and cfg.top_k > 0 else -1,
             top_p=cfg.top_p,
         )
@@ -64,7 +65,8 @@ class VLLMEngine:
         for out in self.engine.step():
             buf = self._buffers.get(out.request_id)
             if buf is not None:
-                buf.append((out.outputs[0].text, out.finished))
+                buf.append((out.outputs[0].text, out.finished, out.outputs[0].finish_reason,
+                            len(out.prompt_token_ids or ()), len(out.outputs[0].token_ids or ())))
 
 
 class VLLMStream(Iterator[str]):
@@ -74,15 +76,20 @@ class VLLMStream(Iterator[str]):
         self.engine, self.rid = engine, rid
         self.text = ""
         self._done = False
+        self.finish_reason: str | None = None  # "stop" | "length" once finished
+        self.prompt_ids: range = range(0)  # sized like the prompt, for the token count
+        self.generated: range = range(0)
 
     def __next__(self) -> str:
         buf = self.engine._buffers.get(self.rid)
         while not self._done and buf is not None:
             while not buf:
                 self.engine._step()
-            text, finished = buf.popleft()
+            text, finished, reason, prompt_tokens, generated = buf.popleft()
             delta, self.text = text[len(self.text):], text
             if finished:
+                self.finish_reason = reason
+                self.prompt_ids, self.generated = range(prompt_tokens), range(generated)
                 self._release()
             if delta:
                 return delta

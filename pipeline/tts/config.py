@@ -1,7 +1,13 @@
 """Settings of the streaming TTS engine (CSM frames -> Mimi streaming decode -> int16 PCM)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pipeline.tts.prompt import USER_SPEAKER
+
+# What OpenAI Realtime clients ask for (the Agents SDK sends "ash" unless told): each speaks with the
+# "default" voice unless voice_aliases says otherwise, so such a client starts without an error.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
 
 
 @dataclass
@@ -27,7 +33,14 @@ class TTSConfig:
     chunk_frames: int = 3  # then one chunk every this many frames
     temperature: float = 0.9  # <= 0: greedy
     top_k: int = 50
-    speaker: int = 0
+    speaker: int = 0  # the CSM speaker id of the "default" voice
+    # Named voices (docs/agents.md): name -> {speaker: CSM speaker id (default 0), clip: a WAV file
+    # (16-bit, any rate; relative paths from the project root), text: the clip's transcript}. The clip
+    # is encoded once at start-up (bucketed: no new shape) and kept as the voice's context. "default"
+    # always exists (speaker above, no clip) unless defined here.
+    voices: dict[str, dict] = field(default_factory=dict)
+    # Other names a session may use for a voice (alias -> voice). None: OpenAI's voice names -> "default".
+    voice_aliases: dict[str, str] | None = None
     seed: int = 0  # tiny weights; and the first stream seed (each new stream takes the next one)
     # -- many streams at once -------------------------------------------------------------------
     # Streams generate together in one batched frame step, one cache row (slot) each. A stream
@@ -59,6 +72,32 @@ class TTSConfig:
     def __post_init__(self) -> None:
         if self.profile not in ("tiny", "full", "real"):
             raise ValueError(f"TTSConfig.profile must be 'tiny', 'full' or 'real', got {self.profile!r}")
+        for name, spec in self.voice_specs().items():
+            unknown = set(spec) - {"speaker", "clip", "text"}
+            if unknown:
+                raise ValueError(f"voice {name!r}: unknown keys {sorted(unknown)} (speaker, clip, text)")
+            speaker = spec.get("speaker", 0)
+            if isinstance(speaker, bool) or not isinstance(speaker, int) or speaker < 0 or speaker == USER_SPEAKER:
+                raise ValueError(f"voice {name!r}: speaker must be a CSM speaker id >= 0 other than "
+                                 f"{USER_SPEAKER} (the user's side of the context), got {speaker!r}")
+            if spec.get("clip") is not None and not (isinstance(spec.get("text"), str) and spec["text"].strip()):
+                raise ValueError(f"voice {name!r}: a clip needs its transcript (text)")
+        for alias, target in self.aliases().items():
+            if target not in self.voice_specs():
+                raise ValueError(f"voice alias {alias!r} names no voice ({target!r}); voices: {sorted(self.voice_specs())}")
+
+    def voice_specs(self) -> dict[str, dict]:
+        """Every voice by name, "default" included."""
+        return {"default": {"speaker": self.speaker}, **{k: dict(v or {}) for k, v in self.voices.items()}}
+
+    def aliases(self) -> dict[str, str]:
+        if self.voice_aliases is not None:
+            return dict(self.voice_aliases)
+        return {name: "default" for name in OPENAI_VOICES if name not in self.voices}
+
+    def voice_names(self) -> tuple[str, ...]:
+        """What a session may name as its voice."""
+        return tuple(sorted({*self.voice_specs(), *self.aliases()}))
 
     @classmethod
     def tiny(cls, **overrides) -> "TTSConfig":

@@ -39,6 +39,8 @@ import math
 import time
 from collections import deque
 from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,7 +48,7 @@ import torch
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, load_csm, tiny_arch
 from pipeline.tts.mimi import FRAME_SIZE, SAMPLE_RATE, SlotDecoder, encode_streaming_modules, load_mimi, to_int16
-from pipeline.tts.prompt import PromptBuilder, Segment
+from pipeline.tts.prompt import BOT_SPEAKER, PromptBuilder, Segment
 from pipeline.tts.sampling import race_noise, race_width
 from pipeline.tts.shape_gate import ShapeGate
 
@@ -58,6 +60,15 @@ USER_RATE = 16_000  # what the gateway and STT carry
 
 class TTSBusyError(RuntimeError):
     """Every slot is taken and the waiting line is full."""
+
+
+@dataclass(frozen=True)
+class VoiceProfile:
+    """A voice as the engine speaks it: the CSM speaker id of its text and turns, and the reference
+    clip (codes and transcript) that leads its prompts."""
+
+    speaker: int
+    reference: Segment | None = None
 
 
 class TTSStream:
@@ -166,6 +177,9 @@ class TTSEngine:
         if not self.encode_buckets or self.encode_buckets[0] < 1:
             raise ValueError(f"encode_buckets must be positive frame counts, got {cfg.encode_buckets!r}")
         self.decoder = SlotDecoder(self.mimi, self.num_slots)
+        # Named voices; their clips are encoded in warmup(), on the serving thread, in warmed shapes.
+        self.voices = {name: VoiceProfile(spec.get("speaker", 0)) for name, spec in cfg.voice_specs().items()}
+        self.voice_aliases = cfg.aliases()
         self._init_rows()
         self._set_process_flags()
         self._build_static_fns()
@@ -328,24 +342,40 @@ class TTSEngine:
         return max(1, min(self.cfg.max_frames, max(self.cfg.min_frames, math.ceil(self.cfg.frames_per_word * words))))
 
     def build_prompt(self, text: str, context: list[Segment] | None = None, speaker: int | None = None,
-                     max_frames: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     max_frames: int | None = None, reference: Segment | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Prompt rows ([L, 33] tokens and mask) leaving room for ``max_frames`` generated frames."""
         max_frames = self.max_frames_for(text) if max_frames is None else max_frames
         speaker = self.cfg.speaker if speaker is None else speaker
         budget = self.cfg.max_seq_len - max_frames  # the context budget: oldest segments are dropped
         if self.cfg.max_prompt_rows is not None:
             budget = min(budget, self.cfg.max_prompt_rows)
-        return self.prompts.build(speaker, text, context, budget)
+        return self.prompts.build(speaker, text, context, budget, reference)
+
+    def voice(self, name: str = "default", reference: Segment | None = None) -> VoiceProfile:
+        """The voice ``name`` (or an alias of one), with the session's own ``reference`` clip in place
+        of its configured one when given; raises KeyError for a name this engine does not have."""
+        profile = self.voices[self.voice_aliases.get(name, name)]
+        reference = profile.reference if reference is None else reference
+        if reference is not None and reference.speaker != profile.speaker:
+            reference = Segment(profile.speaker, reference.text, reference.codes)
+        return VoiceProfile(profile.speaker, reference)
+
+    def voice_context(self, profile: VoiceProfile, context: list[Segment] | None) -> list[Segment]:
+        """A session's context as ``profile`` speaks it: the bot's turns carry the voice's speaker id."""
+        if profile.speaker == BOT_SPEAKER:
+            return list(context or [])
+        return [Segment(profile.speaker, s.text, s.codes) if s.speaker == BOT_SPEAKER else s for s in context or []]
 
     def stream(self, text: str, context: list[Segment] | None = None, speaker: int | None = None,
                max_frames: int | None = None, seed: int | None = None,
-               temperature: float | None = None) -> TTSStream:
-        """Queue a stream for ``text``; it takes a slot at a later :meth:`step`. ``seed`` fixes its
-        sampling (default: the engine's next seed); raises :class:`TTSBusyError` if too many wait."""
+               temperature: float | None = None, reference: Segment | None = None) -> TTSStream:
+        """Queue a stream for ``text`` (after ``reference``, the voice's clip, and ``context``); it
+        takes a slot at a later :meth:`step`. ``seed`` fixes its sampling (default: the engine's next
+        seed); raises :class:`TTSBusyError` if too many wait."""
         if len(self._waiting) >= self.cfg.max_waiting:
             raise TTSBusyError(f"all {self.num_slots} TTS slots are busy and {len(self._waiting)} streams wait")
         max_frames = self.max_frames_for(text) if max_frames is None else min(max_frames, self.cfg.max_frames)
-        tokens, mask = self.build_prompt(text, context, speaker, max_frames)
+        tokens, mask = self.build_prompt(text, context, speaker, max_frames, reference)
         if seed is None:
             seed, self._next_seed = self._next_seed, self._next_seed + 1
         temperature = self.cfg.temperature if temperature is None else float(temperature)
@@ -496,9 +526,28 @@ class TTSEngine:
         """A user turn as the gateway carries it (int16 mono 16 kHz) -> Mimi codes [T, 32] int64:
         resampled to 24 kHz once, then :meth:`encode_wave` (bucketed, never a new shape). Encode
         each user turn once and keep its codes in its :class:`Segment`."""
+        return self.encode_audio(pcm_16k, USER_RATE)
+
+    def encode_audio(self, pcm: np.ndarray, rate: int) -> np.ndarray:
+        """int16 mono audio at ``rate`` -> Mimi codes [T, 32]: resampled to 24 kHz, then :meth:`encode_wave`."""
         from pipeline.audio import int16_to_float, resample
 
-        return self.encode_wave(resample(int16_to_float(np.asarray(pcm_16k, dtype=np.int16)), USER_RATE, SAMPLE_RATE))
+        return self.encode_wave(resample(int16_to_float(np.asarray(pcm, dtype=np.int16)), rate, SAMPLE_RATE))
+
+    def _encode_voices(self) -> None:
+        """Each configured voice's clip, encoded once (warmed buckets) and kept as its reference."""
+        from pipeline.audio import read_wav
+
+        root = Path(__file__).resolve().parents[2]
+        for name, spec in self.cfg.voice_specs().items():
+            if spec.get("clip") is None:
+                continue
+            path = Path(spec["clip"])
+            pcm, rate = read_wav(str(path if path.is_absolute() else root / path))
+            codes = self.encode_audio(pcm, rate)
+            self.voices[name] = VoiceProfile(self.voices[name].speaker,
+                                             Segment(self.voices[name].speaker, spec["text"].strip(), codes))
+            log.info("voice %s: %.1f s clip -> %d frames", name, len(pcm) / rate, len(codes))
 
     # -- warm-up ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -541,6 +590,7 @@ class TTSEngine:
                 f.force_eager = False
         for f in self.fns.values():
             f.seal()
+        self._encode_voices()  # after the gates are sealed: a clip that needed a new shape would count
         self.warm = True
         if self.cfg.compile and self.cfg.stance_after_warmup != "default":
             torch.compiler.set_stance(self.cfg.stance_after_warmup)

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 NUM_CODEBOOKS = 32
+# Speaker ids of a session's context: the bot's turns (the TTS gives them the voice's speaker id) and
+# the user's turns.
+BOT_SPEAKER = 0
+USER_SPEAKER = 1
 
 
 @dataclass
@@ -51,11 +55,13 @@ class PromptBuilder:
         (t1, m1), (t2, m2) = self.text_rows(seg.speaker, seg.text), self.audio_rows(seg.codes)
         return np.concatenate([t1, t2]), np.concatenate([m1, m2])
 
-    def build(self, speaker: int, text: str, context: list[Segment] | None, max_rows: int
-              ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of ``context`` then the text to speak, at most ``max_rows``.
+    def build(self, speaker: int, text: str, context: list[Segment] | None, max_rows: int,
+              reference: Segment | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``reference`` (the voice's clip), ``context``, then the text to speak, at most
+        ``max_rows``.
 
-        The oldest context segments are dropped whole to fit; a text alone too long is cut.
+        The reference stays first while it fits beside the text; the oldest context segments are
+        dropped whole to fit; a text alone too long is cut.
         """
         tokens, mask = self.text_rows(speaker, text)
         if len(tokens) > max_rows:
@@ -65,11 +71,18 @@ class PromptBuilder:
             return tokens, mask
         parts = [(tokens, mask)]
         used = len(tokens)
+        pinned = self.segment_rows(reference) if reference is not None else None
+        if pinned is not None and used + len(pinned[0]) > max_rows:
+            pinned = None
+        if pinned is not None:
+            used += len(pinned[0])
         for seg in reversed(context or []):
             rows = self.segment_rows(seg)
             if used + len(rows[0]) > max_rows:
                 break
             parts.append(rows)
             used += len(rows[0])
+        if pinned is not None:
+            parts.append(pinned)
         parts.reverse()
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])

@@ -16,6 +16,7 @@ HANDS_FREE_URL = f"ws://127.0.0.1:{PORT}/v1/conversation"  # the served default:
 # Push-to-talk sessions (a client option, docs/protocol.md): most tests speak synthetic audio,
 # which no VAD calls speech, and end each turn with turn.end.
 URL = f"{HANDS_FREE_URL}?turn_detection=manual"
+REALTIME_URL = f"ws://127.0.0.1:{PORT}/v1/realtime"  # the OpenAI Realtime protocol (docs/realtime.md)
 
 
 def healthz() -> int | None:

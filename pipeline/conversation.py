@@ -1,0 +1,598 @@
+"""One conversation, whatever the wire: the core that every protocol adapter drives.
+
+A :class:`Conversation` hears the user's audio (16 kHz int16) and typed text, decides when a
+user turn ends, answers with a :class:`~pipeline.reply.Reply`, and keeps the history, the TTS
+context and the agent's settings. It knows no wire format: what happens goes out through a
+:class:`ConversationEvents` (protocol v1's ``pipeline.session.Session`` and the Realtime
+protocol's ``pipeline.realtime.session.RealtimeSession`` implement it), so pacing, gap metrics,
+barge-in, echo cancellation, Smart Turn and the recogniser's slot rules are the same on both.
+
+Turn flow: audio streams into STT (partials go out as deltas); a user turn ends on the client's
+word (v1 ``turn.end``, Realtime ``commit``), the server's turn detection (VAD + Smart Turn),
+STT endpointing or the ``max_turn_s`` cap; its transcript goes out, and unless the client asked
+to answer only on request, a reply starts. User speech while a reply plays (barge-in), or a new
+user turn, cancels the reply, and the history keeps only what was actually said. The TTS gets the
+conversation so far as CSM context: user turns' audio encoded once, bot turns' generated codes,
+inside a bounded number of segments.
+
+A conversation holds an STT slot only during a spoken turn: from the turn's first audio frame to
+its end. Idle or typing sessions hold none, so open sockets never lock speakers out; a turn that
+finds every slot busy is told so once (``no_free_slot``), its audio is dropped, and a later frame
+of it tries again.
+
+Engines fail without taking the conversation with them: every engine call, and every item of an
+engine stream, must answer within ``engine_timeout_s`` or fails as :class:`EngineUnavailable`
+(so does a replica that died under it); the client gets one ``engine_unavailable`` error and the
+conversation goes on. An STT replica that does not know the turn's stream raises
+:class:`UnknownStream`: the turn restarts there, replaying its audio so far.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from pipeline.agent import DEFAULT_VOICE, AgentSettings
+from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, UnknownStream, Voice, bounded
+from pipeline.history import History, Item, new_id
+from pipeline.listening import Listener
+from pipeline.reply import CANCELLED, Reply
+from pipeline.session_config import SessionConfig
+from pipeline.tts.prompt import BOT_SPEAKER, USER_SPEAKER, Segment
+from pipeline.vad import SAMPLE_RATE as VAD_RATE, VADEvent
+
+log = logging.getLogger(__name__)
+
+INPUT_RATE = 16_000
+# Error codes the core raises (protocol adapters map them onto their wire's errors).
+E_NO_FREE_SLOT = "no_free_slot"
+E_TURN_TOO_LONG = "turn_too_long"
+E_ENGINE_UNAVAILABLE = "engine_unavailable"
+
+
+class ConversationEvents(Protocol):
+    """What a conversation tells its client, as calls; a protocol adapter turns them into messages."""
+
+    async def speech(self, kind: str, audio_ms: float, item_id: str) -> None: ...  # speech.started / .stopped
+    async def transcript_delta(self, turn: int, item_id: str, delta: str, text: str) -> None: ...
+    # A user turn ended: ``text`` as recognised or typed, ``item`` its history item (added unless its
+    # stripped text is empty); ``words`` with times for spoken turns
+    async def turn_ended(self, turn: int, item: Item, text: str, words: list[dict] | None) -> None: ...
+    async def reply_started(self, reply: Reply) -> None: ...
+    async def reply_text(self, reply: Reply, delta: str) -> None: ...
+    async def reply_audio(self, reply: Reply, pcm: np.ndarray, seq: int) -> None: ...
+    async def reply_done(self, reply: Reply) -> None: ...  # reply.status says how it ended
+    async def error(self, code: str, message: str) -> None: ...
+
+
+@dataclass
+class UserTurn:
+    """The spoken turn being heard: all of its state, replaced whole when it ends."""
+
+    item_id: str = field(default_factory=lambda: new_id("item"))  # its history item (speech events name it)
+    open: bool = False  # audio of it has arrived and it has not ended
+    partial: str = ""
+    audio: list[np.ndarray] = field(default_factory=list)  # the recognised audio, at most max_turn_s
+    samples: int = 0  # samples in ``audio``
+    loud: bool = False  # some of its audio is loud enough to barge in by words
+    holds_slot: bool = False  # an STT slot may be held for it (close() releases it)
+    slot_taken_at: float = 0.0  # when it got its slot (the max_turn_s clock)
+    refused_at: float | None = None  # last refusal of its slot; None: not refused
+    eot_deadline: float | None = None  # a pause Smart Turn called incomplete ends the turn then
+
+    def lose_audio(self, now: float) -> bool:
+        """Its recogniser stream is gone (refused, or lost with its replica): the audio so far is
+        dropped and a later frame tries again. True the first time (the client is told once)."""
+        first = self.refused_at is None
+        self.holds_slot, self.partial, self.audio, self.samples, self.refused_at = False, "", [], 0, now
+        return first
+
+    def joined_audio(self) -> np.ndarray:
+        return np.concatenate(self.audio) if self.audio else np.zeros(0, np.int16)
+
+
+class Conversation:
+    def __init__(self, events: ConversationEvents, backends: Backends, cfg: SessionConfig | None = None,
+                 session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
+                 clock: Callable[[], float] = time.monotonic):
+        self.id = session_id or new_id("sess")
+        self.events = events
+        self.backends = backends
+        self.cfg = cfg or SessionConfig()
+        self.clock = clock  # monotonic seconds (tests drive a fake one)
+        self.voices = voices  # the voices a session may choose (configured on the TTS replica)
+        self.agent = AgentSettings()
+        self.smart_turn = smart_turn
+        self.ears: Listener | None = None
+        self._hear_with(self.cfg)
+        self.heard = UserTurn()
+        self.turn = 0  # number of the last user turn that ended
+        self.reply_on_turn_end = True  # a turn the server ended gets its reply (Realtime: create_response)
+        self._ended_by_server = False  # hands-free: the last spoken turn was ended by the server, no speech since
+        self.eot_probabilities: list[float] = []  # Smart Turn's last verdicts (at most 100), for tests and tools
+        self._max_turn_samples = max(1, int(self.cfg.max_turn_s * INPUT_RATE))
+        self._last_activity_at = clock()  # last frame either way (the idle clock)
+        self.history = History()
+        self.context: list[Segment] = []  # CSM context, oldest first
+        self._encoding: asyncio.Task | None = None  # the last user turn's audio joining the context
+        self.reply: Reply | None = None
+        self.closed = False
+
+    def _hear_with(self, cfg: SessionConfig) -> None:
+        """Ears (echo cancellation + VAD) when any setting uses the VAD; Smart Turn for hands-free turns."""
+        if cfg.uses_vad and self.ears is None:
+            self.ears = Listener(cfg.vad_settings, cfg.echo_cancellation)
+        if self.ears is not None:
+            self.ears.vad.settings = cfg.vad_settings
+        if self.smart_turn is None and cfg.turn_detection == "vad" and cfg.eot_threshold > 0:
+            from pipeline.smart_turn import shared_model
+
+            self.smart_turn = shared_model()
+
+    # ------------------------------------------------------------------ settings
+    def configure(self, **changes: Any) -> None:
+        """Change turn-taking settings of this session (SessionConfig fields; validated whole)."""
+        cfg = dataclasses.replace(self.cfg, **changes)
+        self._hear_with(cfg)
+        self.cfg = cfg
+
+    def update(self, changes: dict[str, Any]) -> AgentSettings:
+        """Apply agent settings (raises pipeline.agent.BadSetting, changing nothing). A new voice
+        starts the bot's side of the TTS context afresh: its earlier turns were another voice."""
+        agent = self.agent.updated(changes, self.voices)
+        if agent.tts_voice() != self.agent.tts_voice():
+            self.context = [seg for seg in self.context if seg.speaker != BOT_SPEAKER]
+        self.agent = agent
+        return agent
+
+    async def encode_voice_clip(self, pcm_24k: np.ndarray, text: str) -> Segment:
+        """A session's own reference clip (int16 24 kHz) -> its context segment (bucketed encode:
+        never a new shape on the TTS replica)."""
+        codes = await bounded(self.backends.tts_encode(pcm_24k, 24_000), self.cfg.engine_timeout_s)
+        return Segment(BOT_SPEAKER, text, codes)
+
+    # ------------------------------------------------------------------ lifecycle
+    def touch(self) -> None:
+        """Something went either way: the idle clock starts again."""
+        self._last_activity_at = self.clock()
+
+    async def close(self) -> None:
+        """Cancel everything this conversation started and release an STT slot its open turn holds."""
+        if self.closed:
+            return
+        self.closed = True
+        await self._interrupt(send_done=False)
+        if self._encoding is not None:
+            self._encoding.cancel()
+        await self._release_slot()
+
+    # ------------------------------------------------------------------ input
+    async def hear(self, pcm: np.ndarray) -> None:
+        """One microphone frame (int16 16 kHz): the ears hear it first (speech events go out, speech
+        over a reply barges in); then it goes to the open turn, or opens one (any audio in manual
+        mode, speech with its pre-roll in vad mode); then a pause may end the turn."""
+        if self.ears is None:
+            await self._on_audio(pcm)
+            return
+        events = self.ears.hear(pcm)
+        if self.cfg.vad_events:
+            for ev in events:
+                await self.events.speech(ev.kind, 1000 * ev.sample / VAD_RATE, self.heard.item_id)
+        if "vad" in self.cfg.barge_in_mode and self.ears.vad.speech_ms >= self.cfg.barge_in_min_speech_ms \
+                and self._reply_interruptible():
+            await self._interrupt(send_done=True, reason="turn_detected")
+        if self.cfg.turn_detection == "manual" or self.heard.open:
+            await self._on_audio(pcm)
+        else:
+            onset = next((ev.sample for ev in events if ev.kind == "speech.started"), None)
+            if onset is not None:
+                preroll = int(self.cfg.vad_preroll_ms * VAD_RATE / 1000)
+                await self._on_audio(self.ears.since(onset - preroll))
+            elif self.ears.speaking:  # speech goes on after a turn ended mid-speech (turn.end, max_turn_s)
+                await self._on_audio(pcm)
+        if self.cfg.turn_detection == "vad" and self.heard.open:
+            await self._end_turn_on_pause(events)
+
+    async def end_turn(self, respond: bool = True, overrides: dict[str, Any] | None = None) -> None:
+        """The client ended the spoken turn (push-to-talk, commit). Hands-free, one that the server
+        already ended, with no speech since, is not ended twice (it is not a new, empty turn)."""
+        if self._ended_by_server and not self.heard.open:
+            self._ended_by_server = False
+            return
+        await self._end_turn(respond=respond, overrides=overrides)
+
+    async def user_text(self, text: str, respond: bool = True, overrides: dict[str, Any] | None = None,
+                        after: str | None = None) -> Item:
+        """A typed user turn. Spoken audio in flight becomes its own turn first."""
+        return await self._end_turn(typed_text=text, by="typed", respond=respond, overrides=overrides, after=after)
+
+    async def add_item(self, item: Item, after: str | None = None) -> Item:
+        """An item the client adds to the history as it is (no turn, no reply)."""
+        return self.history.add(item, after)
+
+    async def add_user_audio(self, pcm: np.ndarray, after: str | None = None) -> Item:
+        """A user message the client gives as audio (16 kHz int16): recognised whole on a stream of
+        its own (a spoken turn may be open beside it) and added to the history; no turn, no reply.
+        Raises EngineUnavailable (no free slot included) with nothing added."""
+        sid = f"{self.id}:item"
+        try:
+            await self._engine(self.backends.stt_open(sid))
+        except NoFreeSlot as exc:
+            raise EngineUnavailable(f"no recogniser slot is free ({exc})") from None
+        try:
+            for start in range(0, len(pcm), INPUT_RATE):
+                await self._engine(self.backends.stt_push(sid, pcm[start:start + INPUT_RATE]))
+            text, _ = await self._engine(self.backends.stt_finish(sid))
+        except BaseException:
+            await asyncio.shield(self._close_stream(sid))
+            raise
+        item = self.history.add(Item("user", text.strip(), audio=True), after)
+        if item.text and len(pcm):
+            self._encoding = asyncio.create_task(self._encode_user_turn(item.text, pcm))
+        return item
+
+    async def _close_stream(self, sid: str) -> None:
+        try:
+            await self._engine(self.backends.stt_close(sid))
+        except Exception:  # noqa: BLE001 - the replica may be gone with it
+            log.warning("session %s: closing STT stream %s failed", self.id, sid)
+
+    async def respond(self, overrides: dict[str, Any] | None = None) -> Reply:
+        """Start a reply to the conversation so far (Realtime ``response.create``); the caller
+        makes sure none is running."""
+        return await self._start_reply(self.clock(), overrides or {})
+
+    async def cancel_reply(self) -> bool:
+        """Cancel the running reply (the client asked); False if none was running."""
+        if self.reply is None or not self.reply.running:
+            return False
+        await self._interrupt(send_done=True, reason="client_cancelled")
+        return True
+
+    async def clear_audio(self) -> None:
+        """Drop the open spoken turn's audio (Realtime ``input_audio_buffer.clear``)."""
+        await self._release_slot()
+        self.heard = UserTurn()
+
+    async def truncate(self, item_id: str, audio_end_ms: float) -> Item:
+        """Keep only what the client played of an assistant item (raises UnknownItem / ValueError)."""
+        if self.reply is not None and self.reply.item_id == item_id:
+            await self._interrupt(send_done=True, reason="client_cancelled")
+        item = self.history.get(item_id)
+        History.truncate(item, audio_end_ms)
+        return item
+
+    def delete(self, item_id: str) -> Item:
+        item = self.history.delete(item_id)
+        if item.segment is not None and item.segment in self.context:
+            self.context.remove(item.segment)
+        return item
+
+    async def _end_turn_on_pause(self, events: list[VADEvent]) -> None:
+        """Hands-free end of turn: at speech.stopped, Smart Turn judges the turn's audio; complete
+        ends the turn now, incomplete waits for speech again or eot_max_silence_ms of silence. With
+        ``eot_threshold`` 0 every pause ends the turn (no model call)."""
+        heard = self.heard
+        if self.ears.speaking:
+            heard.eot_deadline = None
+            return
+        if any(ev.kind == "speech.stopped" for ev in events):
+            p = 1.0
+            if self.cfg.eot_threshold > 0:
+                started = self.clock()
+                p = await self.smart_turn.probability_async(heard.joined_audio())
+                if self.cfg.on_smart_turn:
+                    self.cfg.on_smart_turn(self.clock() - started)
+                self.eot_probabilities.append(p)
+                del self.eot_probabilities[:-100]
+            if p >= self.cfg.eot_threshold and not self.ears.speaking:
+                await self._end_turn(by="smart_turn")
+                return
+            wait_s = (self.cfg.eot_max_silence_ms - self.ears.vad.silence_ms) / 1000
+            heard.eot_deadline = self.clock() + max(0.0, wait_s)
+        if heard.eot_deadline is not None and self.ears.vad.silence_ms >= self.cfg.eot_max_silence_ms:
+            await self._end_turn(by="silence")
+
+    async def _on_audio(self, pcm: np.ndarray) -> None:
+        """Audio of the open spoken turn, or the first of a new one. The frame that brings a turn to
+        max_turn_s ends it there (turn_too_long); the rest of that frame starts the next turn."""
+        while pcm.size:
+            if not self.heard.open:
+                await self._begin_turn()
+            elif not self.heard.holds_slot:
+                await self._retry_slot()
+            if not self.heard.holds_slot:
+                return  # a refused turn: its audio is dropped
+            room = self._max_turn_samples - self.heard.samples
+            await self._recognise(pcm[:room])
+            pcm = pcm[room:]
+            if self.heard.open and self.heard.samples >= self._max_turn_samples:
+                await self._end_long_turn()
+
+    async def _begin_turn(self) -> None:
+        self.heard = UserTurn(item_id=self.heard.item_id, open=True)
+        self._ended_by_server = False
+        await self._take_slot()
+
+    async def _take_slot(self) -> None:
+        """Take an STT slot for the open turn. Refused, the client hears it once per turn, the
+        turn's audio is dropped, and a later frame of it tries again (``_retry_slot``)."""
+        self.heard.holds_slot = True  # set first: if this call is cancelled midway, close() still releases
+        try:
+            await self._engine(self.backends.stt_open(self.id))
+        except NoFreeSlot as exc:
+            await self._lose_slot(E_NO_FREE_SLOT, f"{exc}; this turn's audio is dropped until a slot frees "
+                                  "(the session stays open: speak on, speak again later, or type)")
+            return
+        except EngineUnavailable as exc:
+            await self._lose_slot(E_ENGINE_UNAVAILABLE, f"the recogniser is unavailable ({exc}); this turn's "
+                                  "audio is dropped until it answers (the session stays open)")
+            return
+        self.heard.refused_at = None
+        self.heard.slot_taken_at = self.clock()
+
+    async def _lose_slot(self, code: str, message: str) -> None:
+        if self.heard.lose_audio(self.clock()):
+            await self.error(code, message)
+
+    async def _retry_slot(self) -> None:
+        """A refused turn asks again at most every ``slot_retry_s``, so hands-free clients recover."""
+        if self.clock() - self.heard.refused_at >= self.cfg.slot_retry_s:
+            await self._take_slot()
+
+    async def _release_slot(self) -> None:
+        if not self.heard.holds_slot:
+            return
+        self.heard.holds_slot = False
+        try:
+            await self._engine(self.backends.stt_close(self.id))
+        except EngineUnavailable as exc:  # a replica that went away took the slot with it
+            log.warning("session %s: releasing the STT slot: %s", self.id, exc)
+        except Exception:  # noqa: BLE001 - releasing must not raise
+            log.exception("session %s: releasing the STT slot failed", self.id)
+
+    async def _engine(self, call):
+        return await bounded(call, self.cfg.engine_timeout_s)
+
+    async def _restart_stream(self) -> list[dict]:
+        """The STT replica lost the turn's stream: open it again (wherever its key routes now) and
+        replay the turn's audio so far; returns the replay's events. The partial transcript is
+        rebuilt from them. Any failure here loses the turn (EngineUnavailable)."""
+        log.warning("session %s: the recogniser does not know this turn's stream; restarting it", self.id)
+        self.heard.partial = ""
+        try:
+            await self._engine(self.backends.stt_open(self.id))
+            return await self._engine(self.backends.stt_push(self.id, self.heard.joined_audio()))
+        except (NoFreeSlot, UnknownStream) as exc:
+            raise EngineUnavailable(f"restarting the turn's stream failed: {exc}") from None
+
+    async def _recognise(self, pcm: np.ndarray) -> None:
+        heard = self.heard
+        heard.audio.append(pcm)
+        heard.samples += len(pcm)
+        if not heard.loud:
+            rms = float(np.sqrt(np.mean(np.square(pcm.astype(np.float32) / 32768.0))))
+            heard.loud = rms >= self.cfg.barge_in_min_rms
+        try:
+            try:
+                events = await self._engine(self.backends.stt_push(self.id, pcm))
+            except UnknownStream:
+                events = await self._restart_stream()
+        except EngineUnavailable as exc:
+            await self._lose_slot(E_ENGINE_UNAVAILABLE, f"the recogniser failed mid-turn ({exc}); this turn's "
+                                  "audio so far is lost (the session stays open; speak again)")
+            return
+        for ev in events:
+            if ev["kind"] == "partial" and ev["text"]:
+                heard.partial += ev["text"]
+                if heard.partial.strip() and self._should_barge_in():
+                    await self._interrupt(send_done=True, reason="turn_detected")
+                await self.events.transcript_delta(self.turn + 1, heard.item_id, ev["text"], heard.partial)
+            elif ev["kind"] == "endpoint":
+                await self._end_turn(by="endpoint")
+                break
+
+    def _should_barge_in(self) -> bool:
+        """Barge-in by words: a non-empty partial from loud enough audio."""
+        return "words" in self.cfg.barge_in_mode and self.heard.loud and self._reply_interruptible()
+
+    def _reply_interruptible(self) -> bool:
+        reply = self.reply
+        if reply is None or not reply.running:
+            return False
+        if reply.first_audio_at is None:
+            return True  # nothing played yet: the user simply talks on
+        return self.clock() - reply.first_audio_at >= self.cfg.barge_in_grace_s
+
+    async def _end_long_turn(self) -> None:
+        await self.error(E_TURN_TOO_LONG, f"a spoken turn lasts at most {self.cfg.max_turn_s:g} s; "
+                         "it ends here as if turn.end had arrived")
+        await self._end_turn(by="max_turn")
+
+    async def _end_turn(self, typed_text: str | None = None, by: str = "turn_end", respond: bool | None = None,
+                        overrides: dict[str, Any] | None = None, after: str | None = None) -> Item | None:
+        """End the current user turn (spoken or typed), add it to the history and, if ``respond``,
+        start its reply. ``by``: what ended it (turn_end, typed, smart_turn, silence, endpoint,
+        max_turn), for the metrics. ``respond`` None: as ``reply_on_turn_end`` says (a turn the
+        server ended)."""
+        ended_at = self.clock()
+        if respond is None:
+            respond = self.reply_on_turn_end
+        heard = self.heard
+        if heard.open and not heard.holds_slot:
+            self.heard = UserTurn()  # refused: nothing was heard, so nothing is sent and no number is used
+            if typed_text is None:
+                return None
+        if typed_text is not None and self.heard.open:
+            await self._end_turn(respond=respond)  # spoken audio in flight becomes its own turn first
+        await self._interrupt(send_done=True, reason="turn_detected")
+        user_audio, words = None, None
+        heard = self.heard
+        if typed_text is not None:
+            text = typed_text
+        elif heard.open:
+            try:
+                text, words = await self._finish_stream()  # gives the slot back
+            except EngineUnavailable as exc:
+                self.heard = UserTurn()  # nothing to answer: no turn number is used
+                await self.error(E_ENGINE_UNAVAILABLE, f"the recogniser did not finish this turn ({exc}); "
+                                 "its audio is lost (the session stays open; speak again)")
+                return None
+            user_audio = heard.joined_audio() if heard.audio else None
+        else:
+            text = ""
+        self.heard = UserTurn()
+        self._ended_by_server = (self.cfg.turn_detection == "vad" and typed_text is None
+                                 and by in ("smart_turn", "silence", "endpoint", "max_turn"))
+        self.turn += 1
+        item = Item("user", text.strip(), id=heard.item_id, audio=typed_text is None)
+        if item.text:
+            self.history.add(item, after)
+            if user_audio is not None:  # encoded once, beside the LLM's first tokens, for the TTS context
+                self._encoding = asyncio.create_task(self._encode_user_turn(item.text, user_audio))
+        await self.events.turn_ended(self.turn, item, text, words)
+        if self.cfg.on_turn:
+            self.cfg.on_turn()
+        if self.cfg.on_turn_end:
+            self.cfg.on_turn_end(by)
+        if respond:
+            await self._start_reply(ended_at, overrides or {}, answers=item.text)
+        return item
+
+    async def _finish_stream(self) -> tuple[str, list[dict]]:
+        try:
+            try:
+                result = await self._engine(self.backends.stt_finish(self.id))
+            except UnknownStream:
+                await self._restart_stream()
+                result = await self._engine(self.backends.stt_finish(self.id))
+        except (EngineUnavailable, UnknownStream) as exc:
+            self.heard.holds_slot = False  # the replica is gone or lost the stream; close() has nothing to free
+            raise EngineUnavailable(str(exc)) from None
+        self.heard.holds_slot = False
+        return result
+
+    async def _encode_user_turn(self, text: str, pcm: np.ndarray) -> None:
+        try:
+            codes = await self._engine(self.backends.tts_encode(pcm))
+        except EngineUnavailable as exc:
+            log.warning("session %s: encoding user audio: %s", self.id, exc)
+            return
+        except Exception:  # noqa: BLE001 - context is an improvement, never a failure
+            log.exception("session %s: encoding user audio failed", self.id)
+            return
+        if len(codes):
+            self._add_context(Segment(USER_SPEAKER, text, codes))
+
+    def _add_context(self, seg: Segment) -> None:
+        self.context.append(seg)
+        del self.context[: -self.cfg.context_turns]
+
+    # ------------------------------------------------------------------ deadlines
+    def next_deadline(self) -> float:
+        """The monotonic time at which :meth:`check_deadlines` next has work: the open turn's
+        ``max_turn_s``, the end of a hands-free pause, or the idle limit. The receive loop waits
+        for a frame until then."""
+        return min(t for t in (self._idle_deadline(), self._turn_deadline(), self.heard.eot_deadline) if t is not None)
+
+    async def check_deadlines(self) -> bool:
+        """End a spoken turn that has held its slot past ``max_turn_s`` (a client that stopped
+        sending mid-turn); return True once nothing went either way for ``idle_timeout_s``."""
+        if self.heard.eot_deadline is not None and self.clock() >= self.heard.eot_deadline:
+            await self._end_turn(by="silence")  # a hands-free client went quiet after a pause: the turn is over
+        turn_at = self._turn_deadline()
+        if turn_at is not None and self.clock() >= turn_at:
+            await self._end_long_turn()
+        return self.clock() >= self._idle_deadline()
+
+    def _idle_deadline(self) -> float:
+        if self.reply is not None and self.reply.running:
+            # Waiting for a reply is not idleness (it may queue behind others' TTS): look again later.
+            return self.clock() + self.cfg.idle_timeout_s
+        return self._last_activity_at + self.cfg.idle_timeout_s
+
+    def _turn_deadline(self) -> float | None:
+        if self.heard.open and self.heard.holds_slot:
+            return self.heard.slot_taken_at + self.cfg.max_turn_s
+        return None
+
+    # ------------------------------------------------------------------ replies
+    async def _start_reply(self, ended_at: float, overrides: dict[str, Any], answers: str | None = None) -> Reply:
+        """A reply to the history as it is; ``answers``: the user turn it answers ("": an empty
+        turn, which gets a reply that ends at once). ``overrides``: agent settings for this reply
+        only (checked by the caller)."""
+        settings = self.agent.updated(overrides, self.voices) if overrides else self.agent
+        messages = None if answers == "" else settings.messages(self.history.messages())
+        encoding, self._encoding = self._encoding, None
+        reply = self.reply = Reply(self, self.turn, messages, settings, ended_at, encoding, overrides)
+        await self.events.reply_started(reply)
+        reply.start()
+        return reply
+
+    async def _interrupt(self, send_done: bool, reason: str = "turn_detected") -> None:
+        reply, self.reply = self.reply, None
+        if reply is None or not reply.running:
+            return
+        # Once cancelled, the reply task sends nothing more (its next await raises), so the client
+        # hears of the interruption at once, not after the engines have let go of its work.
+        reply.task.cancel()
+        reply.status, reply.reason = CANCELLED, reason
+        if self.ears is not None:
+            self.ears.stop_playback()  # the client drops what it has not played
+        if send_done and not reply.done_sent:
+            reply.done_sent = True
+            await self.events.reply_done(reply)
+        await asyncio.gather(reply.task, return_exceptions=True)
+        self._remember(reply, reply.said)
+        if self.cfg.on_interrupt:
+            self.cfg.on_interrupt()
+
+    def _remember(self, reply: Reply, said: str) -> None:
+        """History and TTS context keep what was actually said (and its generated codes)."""
+        if reply.remembered or reply.messages is None:
+            return
+        reply.remembered = True
+        if not (said or (self.history.last is not None and self.history.last.role == "user")):
+            return
+        item = Item("assistant", said, id=reply.item_id, audio=bool(reply.spoken), clauses=list(reply.spoken),
+                    audio_samples=reply.samples)
+        if reply.codes and said:
+            item.segment = Segment(BOT_SPEAKER, said, np.concatenate(reply.codes))
+            self._add_context(item.segment)
+        self.history.add(item)
+
+    # ReplyHost: what a reply asks of its conversation
+    def tts_context(self) -> list[Segment]:
+        return list(self.context)
+
+    def reply_voice(self, reply: Reply) -> Voice | None:
+        """The session's voice now (a change mid-reply takes effect at the next clause), unless the
+        reply chose its own."""
+        agent = self.agent.updated(reply.overrides, self.voices) if reply.overrides else self.agent
+        return agent.tts_voice()
+
+    async def reply_text(self, reply: Reply, delta: str) -> None:
+        await self.events.reply_text(reply, delta)
+
+    async def reply_audio(self, reply: Reply, pcm: np.ndarray, seq: int) -> None:
+        await self.events.reply_audio(reply, pcm, seq)
+        if self.ears is not None:
+            self.ears.played(pcm)
+
+    async def reply_error(self, reply: Reply, code: str, message: str) -> None:
+        await self.error(code, message)
+
+    async def reply_ended(self, reply: Reply) -> None:
+        self._remember(reply, reply.text.strip())
+        reply.done_sent = True
+        await self.events.reply_done(reply)
+
+    async def error(self, code: str, message: str) -> None:
+        if self.cfg.on_error:
+            self.cfg.on_error(code)
+        await self.events.error(code, message)

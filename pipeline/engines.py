@@ -1,0 +1,127 @@
+"""What a conversation needs from the engines: the :class:`Backends` contract, its failures and
+the per-request settings a session may send with a call.
+
+The contract is deliberately small: one STT stream per spoken turn, an LLM text stream, a TTS
+audio stream and a Mimi encode. ``pipeline.services.LocalBackends`` (in-process services) and
+``deployments.gateway.RayBackends`` (deployment handles) implement it; the model replicas import
+this module for the failures they raise, never the conversation logic.
+
+Per-request settings travel as keyword arguments that are only passed when a session changed
+them from the server's defaults (:meth:`LLMOptions.overrides`, a ``voice`` other than the
+default), so an engine call with the defaults is the same call it always was.
+"""
+from __future__ import annotations
+
+import asyncio
+from abc import abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
+
+import numpy as np
+
+from pipeline.tts.prompt import Segment
+
+USER_RATE = 16_000  # the recogniser's (and the gateway's) sample rate
+T = TypeVar("T")
+
+
+class NoFreeSlot(Exception):
+    """The recogniser has no free slot for a new spoken turn."""
+
+
+class EngineUnavailable(Exception):
+    """An engine did not answer within ``engine_timeout_s``, or the replica serving it is gone."""
+
+
+class UnknownStream(Exception):
+    """The STT replica that got a call holds no stream of that id (it was never opened there, or
+    the replica that held it was replaced): never a silent loss, the session restarts the turn."""
+
+
+@dataclass(frozen=True)
+class LLMOptions:
+    """Sampling a session chose for its replies; None keeps the LLM replica's configured value."""
+
+    temperature: float | None = None
+    max_tokens: int | None = None  # new tokens of one reply at most
+
+    def overrides(self) -> dict[str, Any]:
+        """The keyword arguments of ``llm_stream``: only the settings that were chosen."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class LLMFinish:
+    """The last item of an LLM stream: why it stopped (``"stop"``, or ``"length"`` when the reply
+    reached its token limit) and, where the backend knows them, its token counts."""
+
+    reason: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Voice:
+    """Who speaks a reply: a voice configured on the TTS replica (``name``: its CSM speaker id and
+    reference clip, encoded once at start-up), optionally with the session's own reference clip
+    (``reference``: its codes and transcript), which then replaces the named voice's clip."""
+
+    name: str = "default"
+    reference: Segment | None = None
+
+
+class Backends(Protocol):
+    """What a session needs from the engines. Audio crosses as contiguous numpy arrays.
+
+    One STT stream per spoken turn: ``stt_open`` takes a slot, ``stt_finish`` returns the turn's
+    transcript and gives the slot back, ``stt_close`` gives it back without one (idempotent).
+
+    The two implementations subclass this explicitly (``pipeline.services.LocalBackends``: the
+    services in this process; ``deployments.gateway.RayBackends``: deployment handles), so a type
+    checker verifies their signatures and a missing method fails at construction (abstract);
+    tests/test_backends.py compares both with it. Test doubles may stay duck-typed: a session with
+    default settings calls ``llm_stream(messages)``, ``tts_stream(text, context)`` and
+    ``tts_encode(pcm)`` exactly so."""
+
+    # Any call may raise EngineUnavailable; stt_push and stt_finish raise UnknownStream.
+    @abstractmethod
+    async def stt_open(self, sid: str) -> None: ...  # raises NoFreeSlot; reopening an open sid restarts it
+    @abstractmethod
+    async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]: ...  # [{"kind","text"}]
+    @abstractmethod
+    async def stt_finish(self, sid: str) -> tuple[str, list[dict]]: ...  # (text, words with times); frees the slot
+    @abstractmethod
+    async def stt_close(self, sid: str) -> None: ...
+    # Text deltas (str), then possibly one LLMFinish; keywords as LLMOptions.overrides().
+    @abstractmethod
+    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | LLMFinish]: ...
+    # (int16 24 kHz chunk, Mimi codes [n, 32] of the frames that made it)
+    @abstractmethod
+    def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None
+                   ) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]: ...
+    # int16 audio at ``rate`` (a user turn: 16 kHz; a reference clip: 24 kHz) -> Mimi codes [T, 32]
+    @abstractmethod
+    async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray: ...
+
+
+async def bounded(call: Awaitable[T], timeout_s: float) -> T:
+    """One engine call that must answer within ``timeout_s`` (else :class:`EngineUnavailable`)."""
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+        raise EngineUnavailable(f"no answer within {timeout_s:g} s") from None
+
+
+async def bounded_stream(stream: AsyncIterator[T], timeout_s: float) -> AsyncIterator[T]:
+    """An engine stream whose every next item must come within ``timeout_s``; closed when left."""
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(anext(stream), timeout_s)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise EngineUnavailable(f"no next item within {timeout_s:g} s") from None
+            yield item
+    finally:
+        await stream.aclose()

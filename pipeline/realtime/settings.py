@@ -1,0 +1,212 @@
+"""The Realtime protocol's session object, and what it means for the conversation core.
+
+A Realtime client sees its session as one JSON object (``session.created`` / ``session.updated``)
+and changes it with partial ``session.update`` events, merged deep into it. :func:`apply`
+reads the merged object into the core's terms, checking every value first, so a bad update is
+refused whole:
+
+- ``audio.input.turn_detection``: ``null`` -> the client ends turns (``commit``), no VAD events,
+  no barge-in; ``server_vad`` -> the VAD ends a turn after ``silence_duration_ms`` of silence;
+  ``semantic_vad`` -> the VAD plus Smart Turn (our semantic end-of-turn model), with
+  ``eagerness`` choosing how sure it must be and how long an unsure pause may last. Both VADs
+  barge in on speech when ``interrupt_response`` is true and answer a turn when
+  ``create_response`` is true.
+- ``audio.input.format`` / ``audio.output.format``: ``audio/pcm`` (24 kHz), ``audio/pcmu``,
+  ``audio/pcma`` (8 kHz).
+- ``instructions``, ``audio.output.voice``, ``output_modalities``, ``max_output_tokens``,
+  ``tools``, ``tool_choice`` and our extension ``temperature``: the agent's settings.
+Everything else of OpenAI's session (model, tracing, truncation, noise_reduction, prompt, ...) is
+kept and echoed, and changes nothing here.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.agent import BadSetting
+from pipeline.audio_formats import FORMATS, AudioFormat
+from pipeline.session_config import SessionConfig
+
+# semantic_vad's eagerness -> (Smart Turn threshold, longest pause it may leave a turn open, ms)
+EAGERNESS = {"low": (0.7, 3000.0), "medium": (0.5, 1500.0), "auto": (0.5, 1500.0), "high": (0.3, 800.0)}
+# Beta (OpenAI-Beta: realtime=v1) flat session fields -> their GA place
+BETA_FORMATS = {"pcm16": {"type": "audio/pcm", "rate": 24000}, "g711_ulaw": {"type": "audio/pcmu"},
+                "g711_alaw": {"type": "audio/pcma"}}
+
+
+@dataclass(frozen=True)
+class SessionTerms:
+    """A session object read into the core's terms."""
+
+    input_format: AudioFormat
+    output_format: AudioFormat
+    turn_taking: dict[str, Any]  # SessionConfig fields (Conversation.configure)
+    agent: dict[str, Any]  # AgentSettings fields (Conversation.update)
+    reply_on_turn_end: bool  # create_response
+    transcription: bool  # send transcription events for user audio
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """``base`` with ``update`` merged in: maps merge key by key, anything else replaces, and so
+    does a map of another ``type`` (a new turn detection or audio format is taken whole: a
+    server_vad's threshold is no semantic_vad setting, a 24 kHz rate no μ-law one)."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        old = out.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and value.get("type", old.get("type")) == old.get("type"):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def from_beta(update: dict) -> dict:
+    """A beta ``session.update``'s flat fields in their GA places (GA fields pass through)."""
+    out = {k: v for k, v in update.items() if k not in ("modalities", "voice", "input_audio_format",
+                                                          "output_audio_format", "input_audio_transcription",
+                                                          "turn_detection", "max_response_output_tokens")}
+    audio: dict = {}
+    if "modalities" in update:
+        mods = update["modalities"]
+        out["output_modalities"] = ["audio"] if isinstance(mods, list) and "audio" in mods else mods
+    if "voice" in update:
+        audio.setdefault("output", {})["voice"] = update["voice"]
+    for key, side in (("input_audio_format", "input"), ("output_audio_format", "output")):
+        if key in update:
+            audio.setdefault(side, {})["format"] = BETA_FORMATS.get(update[key], update[key])
+    if "input_audio_transcription" in update:
+        audio.setdefault("input", {})["transcription"] = update["input_audio_transcription"]
+    if "turn_detection" in update:
+        audio.setdefault("input", {})["turn_detection"] = update["turn_detection"]
+    if "max_response_output_tokens" in update:
+        out["max_output_tokens"] = update["max_response_output_tokens"]
+    if audio:
+        out["audio"] = deep_merge(out.get("audio") or {}, audio)
+    return out
+
+
+def initial(session_id: str, model: str, cfg: SessionConfig) -> dict:
+    """The session a client starts with: the server's turn taking in the protocol's words."""
+    if cfg.turn_detection == "manual":
+        detection = None
+    else:
+        detection = {"type": "semantic_vad", "eagerness": "auto", "create_response": True,
+                     "interrupt_response": cfg.barge_in_mode != "off"}
+    return {
+        "type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
+        "output_modalities": ["audio"], "instructions": "",
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                            "transcription": {"model": "gapless-stt"}, "noise_reduction": None,
+                            "turn_detection": detection},
+                  "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "default", "speed": 1.0}},
+        "tools": [], "tool_choice": "auto", "max_output_tokens": "inf", "temperature": None,
+        "tracing": None, "truncation": "auto", "prompt": None, "include": None, "expires_at": 0,
+    }
+
+
+def _format(session: dict, side: str) -> AudioFormat:
+    fmt = ((session.get("audio") or {}).get(side) or {}).get("format")
+    param = f"session.audio.{side}.format"
+    if not isinstance(fmt, dict) or fmt.get("type") not in FORMATS:
+        raise BadSetting(param, f"{param} must be {{\"type\": \"audio/pcm\", \"rate\": 24000}}, "
+                                f"{{\"type\": \"audio/pcmu\"}} or {{\"type\": \"audio/pcma\"}}, got {fmt!r}")
+    found = FORMATS[fmt["type"]]
+    if fmt.get("rate", found.rate) != found.rate:
+        raise BadSetting(param, f"{fmt['type']} runs at {found.rate} Hz here, not {fmt.get('rate')!r}")
+    return found
+
+
+def _number(detection: dict, name: str, low: float, high: float, default: float) -> float:
+    value = detection.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        param = f"session.audio.input.turn_detection.{name}"
+        raise BadSetting(param, f"{param} must be a number from {low:g} to {high:g}, got {value!r}")
+    return float(value)
+
+
+def _flag(detection: dict, name: str) -> bool:
+    value = detection.get(name, True)
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        param = f"session.audio.input.turn_detection.{name}"
+        raise BadSetting(param, f"{param} must be true or false, got {value!r}")
+    return value
+
+
+def _turn_taking(detection: Any, server: SessionConfig) -> tuple[dict[str, Any], bool]:
+    """(SessionConfig changes, create_response) for a turn_detection object."""
+    if detection is None:
+        return {"turn_detection": "manual", "barge_in": "off", "vad_events": False}, False
+    kind = detection.get("type") if isinstance(detection, dict) else None
+    if kind not in ("server_vad", "semantic_vad"):
+        param = "session.audio.input.turn_detection"
+        raise BadSetting(param, f"{param} must be null or have type server_vad or semantic_vad, got {detection!r}")
+    barge_in = server.barge_in_mode if server.barge_in_mode != "off" else "vad"
+    changes: dict[str, Any] = {"turn_detection": "vad", "vad_events": True,
+                               "barge_in": barge_in if _flag(detection, "interrupt_response") else "off"}
+    if kind == "server_vad":
+        changes.update(vad_threshold=_number(detection, "threshold", 0.01, 0.99, server.vad_threshold),
+                       vad_preroll_ms=_number(detection, "prefix_padding_ms", 0, 2000, server.vad_preroll_ms),
+                       vad_min_silence_ms=_number(detection, "silence_duration_ms", 0, 10_000, 500),
+                       eot_threshold=0.0)
+        changes["eot_max_silence_ms"] = max(changes["vad_min_silence_ms"], server.eot_max_silence_ms)
+    else:
+        eagerness = detection.get("eagerness") or "auto"
+        if eagerness not in EAGERNESS:
+            param = "session.audio.input.turn_detection.eagerness"
+            raise BadSetting(param, f"{param} must be one of {sorted(EAGERNESS)}, got {eagerness!r}")
+        threshold, max_silence = EAGERNESS[eagerness]
+        if eagerness == "auto":
+            threshold, max_silence = server.eot_threshold or threshold, server.eot_max_silence_ms
+        changes.update(vad_threshold=server.vad_threshold, vad_preroll_ms=server.vad_preroll_ms,
+                       vad_min_silence_ms=server.vad_min_silence_ms, eot_threshold=threshold,
+                       eot_max_silence_ms=max(max_silence, server.vad_min_silence_ms))
+    return changes, _flag(detection, "create_response")
+
+
+def apply(session: dict, server: SessionConfig) -> SessionTerms:
+    """Read a (merged) session object; raises BadSetting naming the first bad field."""
+    if session.get("type", "realtime") != "realtime":
+        raise BadSetting("session.type", "only realtime sessions are served here (not transcription sessions)")
+    audio = session.get("audio")
+    if not isinstance(audio, dict):
+        raise BadSetting("session.audio", "session.audio must be an object")
+    inp = audio.get("input") or {}
+    out = audio.get("output") or {}
+    turn_taking, reply_on_turn_end = _turn_taking(inp.get("turn_detection"), server)
+    transcription = inp.get("transcription")
+    if transcription is not None and not isinstance(transcription, dict):
+        raise BadSetting("session.audio.input.transcription", "session.audio.input.transcription must be an object or null")
+    voice = out.get("voice", "default")
+    if isinstance(voice, dict):  # {"id": ...}: a custom voice, named by its id
+        voice = voice.get("id")
+    agent = {"instructions": session.get("instructions"), "voice": voice,
+             "modalities": session.get("output_modalities") or ["audio"],
+             "max_output_tokens": session.get("max_output_tokens"), "temperature": session.get("temperature"),
+             "tools": session.get("tools") or [], "tool_choice": session.get("tool_choice") or "auto"}
+    return SessionTerms(_format(session, "input"), _format(session, "output"), turn_taking, agent,
+                        reply_on_turn_end, transcription is not None)
+
+
+def response_overrides(params: dict) -> dict[str, Any]:
+    """A ``response.create``'s ``response`` object -> AgentSettings overrides for that reply."""
+    unsupported = [k for k in ("input", "prompt") if params.get(k)]
+    if params.get("conversation", "auto") != "auto":
+        unsupported.append("conversation")
+    if unsupported:
+        raise BadSetting(f"response.{unsupported[0]}", f"response.{unsupported[0]} is not supported here: a "
+                                                      "response answers the conversation as it stands")
+    out: dict[str, Any] = {}
+    for key, field in (("instructions", "instructions"), ("output_modalities", "modalities"),
+                       ("max_output_tokens", "max_output_tokens"), ("temperature", "temperature"),
+                       ("tools", "tools"), ("tool_choice", "tool_choice")):
+        if key in params:
+            out[field] = params[key]
+    voice = ((params.get("audio") or {}).get("output") or {}).get("voice")
+    if voice is not None:
+        out["voice"] = voice.get("id") if isinstance(voice, dict) else voice
+    return out

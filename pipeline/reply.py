@@ -1,0 +1,221 @@
+"""One reply: the LLM's text, split into clauses, spoken by the TTS clause by clause, and the audio
+sent paced to a small lead over real time.
+
+A :class:`Reply` owns its queues (clauses waiting for the TTS, chunks waiting to be sent), its
+tasks and its timings. It knows no wire format: what it makes goes to its host (the
+conversation) as text deltas, audio chunks and, once, its end. Cancelling its task stops it at
+its next await: nothing more is sent, and its engine streams are closed before the cancellation
+goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Callable, Protocol
+
+import numpy as np
+
+from pipeline.agent import AgentSettings
+from pipeline.clauses import ClauseSplitter
+from pipeline.engines import Backends, EngineUnavailable, LLMFinish, Voice, bounded_stream
+from pipeline.history import new_id
+from pipeline.session_config import SessionConfig
+from pipeline.tts.prompt import BOT_SPEAKER, Segment
+
+log = logging.getLogger(__name__)
+OUTPUT_RATE = 24_000
+
+# Reply statuses (the Realtime protocol's names): how a reply ended.
+IN_PROGRESS, COMPLETED, CANCELLED, INCOMPLETE, FAILED = "in_progress", "completed", "cancelled", "incomplete", "failed"
+
+
+class ReplyHost(Protocol):
+    """What a reply needs from its conversation."""
+
+    cfg: SessionConfig
+    backends: Backends
+    clock: Callable[[], float]
+
+    def tts_context(self) -> list[Segment]: ...  # the conversation's TTS context now
+    def reply_voice(self, reply: "Reply") -> Voice | None: ...  # the voice of the reply's next clause
+    async def reply_text(self, reply: "Reply", delta: str) -> None: ...
+    async def reply_audio(self, reply: "Reply", pcm: np.ndarray, seq: int) -> None: ...
+    async def reply_error(self, reply: "Reply", code: str, message: str) -> None: ...
+    async def reply_ended(self, reply: "Reply") -> None: ...  # ran to its end (also after an error)
+
+
+class Reply:
+    def __init__(self, host: ReplyHost, turn: int, messages: list[dict] | None, settings: AgentSettings,
+                 ended_at: float, encoding: asyncio.Task | None = None, overrides: dict | None = None):
+        self.host = host
+        self.turn = turn
+        self.id = new_id("resp")
+        self.item_id = new_id("item")  # the assistant item it adds to the history
+        self.messages = messages  # None: nothing to answer (an empty turn); it ends at once
+        self.settings = settings  # the session's settings with this reply's overrides, at its start
+        self.overrides = overrides or {}  # the settings this reply chose for itself
+        self.ended_at = ended_at  # when the user's turn ended (voice-to-voice is counted from it)
+        self.encoding = encoding  # the user's audio joining the TTS context; awaited before the first clause
+        self.status = IN_PROGRESS
+        self.reason: str | None = None  # why it was cancelled or incomplete
+        self.text = ""  # everything the LLM wrote
+        self.spoken: list[tuple[int, str]] = []  # (first sample, clause) of each clause whose audio was sent
+        self.samples = 0  # audio samples sent
+        self.codes: list[np.ndarray] = []  # codes of the audio sent
+        self.first_audio_at: float | None = None
+        self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens, where the LLM told
+        self.marks: dict[str, float] = {}  # ms after the reply started: llm_first_token, first_clause, first_audio
+        self.done_sent = False
+        self.remembered = False  # its history item has been added
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"reply-{self.id}")
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    @property
+    def said(self) -> str:
+        """The text whose audio was sent."""
+        return " ".join(clause for _, clause in self.spoken)
+
+    # ------------------------------------------------------------------ text
+    async def _run(self) -> None:
+        if self.messages is not None:
+            try:
+                await self._generate()
+            except asyncio.CancelledError:
+                raise
+            except EngineUnavailable as exc:  # a dead or stalled replica ends this reply, not the session
+                log.warning("reply %s (turn %d) cut short: %s", self.id, self.turn, exc)
+                self.status, self.reason = FAILED, "engine_unavailable"
+                await self.host.reply_error(self, "engine_unavailable",
+                                            f"reply to turn {self.turn} cut short: an engine is unavailable ({exc})")
+            except Exception as exc:  # noqa: BLE001 - a backend fault ends this reply only
+                log.exception("reply %s (turn %d) failed", self.id, self.turn)
+                self.status, self.reason = FAILED, "internal"
+                await self.host.reply_error(self, "internal", f"reply to turn {self.turn} failed: {type(exc).__name__}")
+        if self.status == IN_PROGRESS:
+            self.status = COMPLETED
+        await self.host.reply_ended(self)
+
+    async def _generate(self) -> None:
+        host, cfg = self.host, self.host.cfg
+        started = host.clock()
+        clauses: asyncio.Queue[str | None] = asyncio.Queue()
+        speaker = asyncio.create_task(self._speak(clauses, started)) if self.settings.speaks else None
+        try:
+            splitter = ClauseSplitter(max_words=cfg.clause_max_words)
+            llm = host.backends.llm_stream(self.messages, **self.settings.llm_options().overrides())
+            # aclosing: a cancelled reply closes the engine stream before the cancellation goes on (its
+            # clean-up is queued on the inference thread by then), not whenever the collector finds it.
+            async with contextlib.aclosing(bounded_stream(llm, cfg.engine_timeout_s)) as deltas:
+                async for delta in deltas:
+                    if isinstance(delta, LLMFinish):
+                        if delta.reason == "length" and self.settings.max_output_tokens is not None:
+                            # the client's limit cut it (the server's own cap is a reply's normal length)
+                            self.status, self.reason = INCOMPLETE, "max_output_tokens"
+                        if delta.prompt_tokens is not None and delta.completion_tokens is not None:
+                            self.usage = (delta.prompt_tokens, delta.completion_tokens)
+                        continue
+                    if not delta:
+                        continue
+                    if not self.text:
+                        self._mark("llm_first_token_ms", started)
+                    self.text += delta
+                    await host.reply_text(self, delta)
+                    for clause in splitter.push(delta):
+                        self._mark("first_clause_ms", started)
+                        clauses.put_nowait(clause)
+            for clause in splitter.flush():
+                self._mark("first_clause_ms", started)
+                clauses.put_nowait(clause)
+            clauses.put_nowait(None)
+            if speaker is not None:
+                await speaker
+        except BaseException as exc:
+            if speaker is not None:
+                speaker.cancel()
+                await asyncio.gather(speaker, return_exceptions=True)
+            if isinstance(exc, asyncio.CancelledError) and self.encoding is not None:
+                self.encoding.cancel()
+            raise
+
+    def _mark(self, name: str, started: float) -> None:
+        self.marks.setdefault(name, 1000 * (self.host.clock() - started))
+
+    # ------------------------------------------------------------------ audio
+    async def _speak(self, clauses: asyncio.Queue, started: float) -> None:
+        """Send the reply's audio, paced to ``pace_lead_s`` ahead of real time, while
+        :meth:`_synthesize` makes it as fast as the TTS goes: the next clause's synthesis starts
+        when the previous clause is made, not when it has been played, so a clause boundary is
+        never dead air while the TTS runs faster than real time."""
+        host, cfg = self.host, self.host.cfg
+        chunks: asyncio.Queue = asyncio.Queue()  # bounded by the reply: its clauses' frames
+        synthesis = asyncio.create_task(self._synthesize(clauses, chunks))
+        seq = 0
+        last_at = None
+        try:
+            while (item := await chunks.get()) is not None:
+                clause, pcm, codes = item
+                if clause is not None:  # the first chunk of a clause: it starts playing now
+                    self.spoken.append((self.samples, clause))
+                now = host.clock()
+                if self.first_audio_at is None:
+                    self.first_audio_at = now
+                    self._mark("first_audio_ms", started)
+                    if cfg.on_first_audio:
+                        cfg.on_first_audio(now - self.ended_at)
+                elif cfg.pace_lead_s is not None:
+                    ahead = self.samples / OUTPUT_RATE - (now - self.first_audio_at)
+                    if ahead > cfg.pace_lead_s:
+                        await asyncio.sleep(ahead - cfg.pace_lead_s)
+                now = host.clock()
+                if last_at is not None and cfg.on_chunk_gap:
+                    cfg.on_chunk_gap(now - last_at)
+                last_at = now
+                await host.reply_audio(self, pcm, seq)
+                self.codes.append(codes)
+                seq += 1
+                self.samples += len(pcm)
+            await synthesis  # raises what ended the synthesis early (e.g. EngineUnavailable)
+        finally:
+            synthesis.cancel()
+            await asyncio.gather(synthesis, return_exceptions=True)
+
+    async def _synthesize(self, clauses: asyncio.Queue, chunks: asyncio.Queue) -> None:
+        """Each clause through the TTS, in order, into ``chunks`` as (clause on its first chunk
+        else None, pcm, codes); None at the end, also when it fails. A clause continues the voice
+        of the reply's clauses made before it (their generated codes are its context) unless the
+        voice changed in between."""
+        host = self.host
+        made_text: list[str] = []
+        made_codes: list[np.ndarray] = []
+        made_voice: Voice | None = None
+        try:
+            while (clause := await clauses.get()) is not None:
+                if self.encoding is not None:
+                    await self.encoding  # the user's turn joins the context before the first clause
+                    self.encoding = None
+                voice = host.reply_voice(self)
+                if voice != made_voice:
+                    made_text, made_codes, made_voice = [], [], voice
+                context = host.tts_context()
+                if made_codes:
+                    context.append(Segment(BOT_SPEAKER, " ".join(made_text), np.concatenate(made_codes)))
+                tts = host.backends.tts_stream(clause, context) if voice is None else \
+                    host.backends.tts_stream(clause, context, voice)
+                first = True
+                async with contextlib.aclosing(bounded_stream(tts, host.cfg.engine_timeout_s)) as made:
+                    async for pcm, codes in made:  # (closed at once when cancelled, as the LLM stream above)
+                        chunks.put_nowait((clause if first else None, pcm, codes))
+                        made_codes.append(codes)
+                        first = False
+                if not first:
+                    made_text.append(clause)
+        finally:
+            chunks.put_nowait(None)
+

@@ -1,0 +1,107 @@
+"""A session's settings: the server's (``session:`` in serve_config*.yaml) and what a client may
+choose for its own session (docs/protocol.md, "Session limits", "Turn taking", "Barge-in").
+
+One dataclass, validated on construction; the gateway builds it once from the yaml and each
+connection gets it, or a copy with the client's options (``dataclasses.replace`` validates again).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from pipeline.vad import VADSettings
+
+TURN_DETECTION = ("vad", "manual")
+BARGE_IN = ("vad", "words", "vad+words", "off")
+
+
+@dataclass
+class SessionConfig:
+    # Audio may lead real time by at most this much (None: send as fast as it is made).
+    pace_lead_s: float | None = 0.3
+    clause_max_words: int = 12
+    # Turn detection (docs/protocol.md, "Turn taking"). "vad": hands-free: the VAD opens a spoken
+    # turn at speech (with vad_preroll_ms before it), and a pause ends it once Smart Turn calls the
+    # turn complete, or after eot_max_silence_ms of silence; turn.end works too. "manual": every
+    # audio frame belongs to a turn, which ends on turn.end (or STT endpointing, or max_turn_s).
+    turn_detection: str = "vad"
+    vad_threshold: float = 0.5  # Silero speech probability of a 32 ms window that counts as speech
+    vad_min_speech_ms: float = 64  # speech.started after this much speech
+    vad_min_silence_ms: float = 200  # speech.stopped after this much silence; Smart Turn runs then
+    vad_preroll_ms: float = 300  # a VAD-opened turn starts this long before the detected onset
+    eot_threshold: float = 0.5  # Smart Turn probability at or above which a pause ends the turn
+    eot_max_silence_ms: float = 1500  # a pause this long ends the turn whatever Smart Turn said
+    vad_events: bool = True  # send speech.started / speech.stopped to the client
+    # The bot's reply, as sent, is cancelled out of the microphone audio the VAD judges (echo.py).
+    echo_cancellation: bool = True
+    # Barge-in: user speech while a reply plays interrupts it. "vad": once the VAD has heard
+    # barge_in_min_speech_ms of speech; "words": once the recogniser hears words (a non-empty
+    # partial) in audio louder than barge_in_min_rms; "vad+words": whichever comes first; "off"
+    # (or false). true means "vad". No interruption in the reply's first barge_in_grace_s.
+    barge_in: bool | str = "vad"
+    barge_in_min_speech_ms: float = 150
+    barge_in_min_rms: float = 0.01  # of int16 full scale; quieter audio never interrupts by words
+    barge_in_grace_s: float = 0.5  # no interruption during the reply's first audio
+    # CSM context: the last N turns with audio (user audio encoded once, bot codes as generated).
+    context_turns: int = 6
+    # Limits (docs/protocol.md, "Session limits"). No frame either way for this long closes the
+    # session (idle_timeout, close 1000).
+    idle_timeout_s: float = 300.0
+    # A spoken turn ends (turn_too_long, then its transcript) once its recognised audio reaches this
+    # length, or this long after it took its STT slot: bounds the buffered audio and the slot's hold.
+    max_turn_s: float = 60.0
+    # Sessions per gateway replica; a connection over the cap gets server_busy (close 1013).
+    max_sessions: int = 64
+    # Per client address (pipeline/client_limits.py), checked before the WebSocket is accepted:
+    # sessions it may hold at once (too_many_sessions, HTTP 429) and handshakes a minute
+    # (too_many_handshakes, HTTP 429; ticket requests count too).
+    max_sessions_per_client: int = 16
+    handshakes_per_minute: int = 120
+    # A turn refused an STT slot tries again on a later audio frame, no sooner than this after.
+    slot_retry_s: float = 1.0
+    # An engine call, or the next item of an engine stream, that takes longer fails with
+    # engine_unavailable (a dead or unreachable replica is never heard as silence).
+    engine_timeout_s: float = 1.5
+    # Observers for metrics (the gateway wires them); called with seconds.
+    on_chunk_gap: Callable[[float], None] | None = None
+    on_first_audio: Callable[[float], None] | None = None
+    on_turn: Callable[[], None] | None = None
+    on_interrupt: Callable[[], None] | None = None
+    on_error: Callable[[str], None] | None = None
+    on_turn_end: Callable[[str], None] | None = None  # what ended a turn (see Session._end_turn)
+    on_smart_turn: Callable[[float], None] | None = None  # one Smart Turn call, seconds
+
+    def __post_init__(self) -> None:
+        for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s",
+                     "max_sessions_per_client", "handshakes_per_minute"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.slot_retry_s < 0:
+            raise ValueError(f"SessionConfig.slot_retry_s must be >= 0, got {self.slot_retry_s!r}")
+        if self.turn_detection not in TURN_DETECTION:
+            raise ValueError(f"SessionConfig.turn_detection must be one of {TURN_DETECTION}, got {self.turn_detection!r}")
+        if self.barge_in_mode not in BARGE_IN:
+            raise ValueError(f"SessionConfig.barge_in must be one of {BARGE_IN} or a bool, got {self.barge_in!r}")
+        self.vad_settings  # validates the VAD's threshold and durations
+        for name in ("vad_preroll_ms", "barge_in_min_speech_ms", "barge_in_grace_s", "barge_in_min_rms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SessionConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.eot_threshold <= 1:
+            raise ValueError(f"SessionConfig.eot_threshold must be in [0, 1], got {self.eot_threshold!r}")
+        if not self.eot_max_silence_ms >= self.vad_min_silence_ms:
+            raise ValueError(f"SessionConfig.eot_max_silence_ms ({self.eot_max_silence_ms!r}) must be >= "
+                             f"vad_min_silence_ms ({self.vad_min_silence_ms!r})")
+
+    @property
+    def barge_in_mode(self) -> str:
+        if isinstance(self.barge_in, bool):
+            return "vad" if self.barge_in else "off"
+        return self.barge_in
+
+    @property
+    def vad_settings(self) -> VADSettings:
+        return VADSettings(self.vad_threshold, self.vad_min_speech_ms, self.vad_min_silence_ms)
+
+    @property
+    def uses_vad(self) -> bool:
+        return self.turn_detection == "vad" or "vad" in self.barge_in_mode or self.vad_events

@@ -1,0 +1,337 @@
+"""The OpenAI Realtime endpoint end to end through `serve run serve_config.yaml`, with the clients
+people use: the official ``openai`` SDK's realtime client (through ``load.realtime_client``, which
+records its events) and the OpenAI Agents SDK's ``RealtimeAgent`` + ``RealtimeRunner``. The same
+conversation core serves protocol v1 (tests/e2e/test_serve.py)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import urllib.request
+
+import numpy as np
+import pytest
+import websockets
+
+from load import speech
+from load.realtime_client import RealtimeConversation
+from pipeline.audio import float_to_int16, int16_to_float, resample
+from tests.e2e.serve_process import PORT, REALTIME_URL
+
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.skipif(not speech.available(), reason="needs espeak-ng (scripts/install.sh --system)")]
+
+MAX_GAP_S = 0.5
+COMPLETE = "I would like to book a flight to Paris on Friday."  # Smart Turn calls it complete (0.90)
+SERVER_VAD = {"type": "server_vad", "silence_duration_ms": 400, "create_response": True, "interrupt_response": True}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def check_reply(tr, status="completed"):
+    """A reply that ran to its status with audio, every gap between its audio deltas within the limit."""
+    assert tr.status == status, tr.types
+    assert tr.types[0] == "response.created" and tr.types[-1] == "response.done", tr.types
+    assert tr.chunks and np.abs(tr.audio.astype(np.int32)).max() > 0
+    assert max(tr.gaps, default=0.0) <= MAX_GAP_S, max(tr.gaps)
+    assert tr.response_text.strip()
+
+
+def metric(name: str, **labels) -> float:
+    """The sum of a series over this node's processes, as GET /metrics serves it."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"{name}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def test_session_update_and_a_typed_turn(server):
+    """session.update sets instructions, a voice and manual turns (the session object comes back
+    whole, with the model of the URL); a typed turn is answered with audio deltas that decode."""
+    async def go():
+        async with RealtimeConversation(REALTIME_URL, model="my-agent") as c:
+            updated = await c.update({"type": "realtime", "instructions": "You are a pirate. Be brief.",
+                                      "audio": {"output": {"voice": "robot"}}, "max_output_tokens": 20})
+            tr = await c.say_text("Hello, who are you?")
+            return c, updated, tr
+
+    c, updated, tr = run(go())
+    assert c.ready["session"]["model"] == "my-agent"
+    session = updated["session"]
+    assert session["instructions"] == "You are a pirate. Be brief." and session["max_output_tokens"] == 20
+    assert session["audio"]["output"]["voice"] == "robot"
+    assert session["audio"]["input"]["turn_detection"] is None  # set by the client's first update, kept (merge)
+    assert session["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
+    check_reply(tr)
+    done = c.seen("response.done")[-1]["response"]
+    assert done["output"][0]["content"][0]["transcript"] == tr.response_text.strip()
+    assert done["audio"]["output"]["voice"] == "robot"
+    assert c.errors == []
+
+
+def test_spoken_turn_under_server_vad(server):
+    """Speech at 24 kHz streamed in real time, no commit: the server's VAD hears it start and stop,
+    commits the turn, transcribes it and answers it."""
+    pcm = speech.espeak(COMPLETE)
+
+    async def go():
+        async with RealtimeConversation(REALTIME_URL, session={"audio": {"input": {"turn_detection": SERVER_VAD}}}) as c:
+            turn = c._new_turn()  # the reply the server will start by itself
+            await c.speak(pcm, until=lambda: turn.done_at)
+            return c, turn
+
+    c, tr = run(go())
+    kinds = [ev["type"] for _, ev in c.events]
+    started, stopped, committed = (kinds.index(k) for k in ("input_audio_buffer.speech_started",
+                                                             "input_audio_buffer.speech_stopped",
+                                                             "input_audio_buffer.committed"))
+    completed = c.seen("conversation.item.input_audio_transcription.completed")
+    assert started < stopped < committed < kinds.index("conversation.item.input_audio_transcription.completed")
+    item_id = c.seen("input_audio_buffer.committed")[0]["item_id"]
+    assert c.seen("input_audio_buffer.speech_started")[0]["item_id"] == item_id
+    assert completed[0]["item_id"] == item_id and completed[0]["transcript"].strip()
+    assert completed[0]["usage"]["type"] == "duration"
+    check_reply(tr)
+    assert c.errors == []
+
+
+def test_manual_turn_commit_and_response_create(server):
+    """turn_detection null: audio is appended, committed by the client, and answered only on
+    response.create."""
+    pcm = speech.espeak("What is the capital of France?")
+
+    async def go():
+        async with RealtimeConversation(REALTIME_URL) as c:
+            tr = await c.say_audio(pcm)
+            return c, tr
+
+    c, tr = run(go())
+    assert c.session["audio"]["input"]["turn_detection"] is None
+    assert not c.seen("input_audio_buffer.speech_started")  # no VAD events without turn detection
+    assert tr.final_text.strip()
+    kinds = [ev["type"] for _, ev in c.events]
+    assert kinds.index("conversation.item.input_audio_transcription.completed") < kinds.index("response.created")
+    check_reply(tr)
+    assert c.errors == []
+
+
+def test_response_cancel(server):
+    """response.cancel mid-reply: response.done with status cancelled, no audio of it after."""
+    async def go():
+        async with RealtimeConversation(REALTIME_URL) as c:
+            tr = c._new_turn()
+            await c.send({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story."}]}})
+            await c.send({"type": "response.create"})
+            await c.wait_for(lambda e: e["type"] == "response.output_audio.delta")
+            await c.send({"type": "response.cancel", "event_id": "cancel-1"})
+            await c.wait_for(lambda e: e["type"] == "response.done")
+            late = await c.say_text("And now?")  # the session goes on
+            return c, tr, late
+
+    c, tr, late = run(go())
+    assert tr.status == "cancelled" and tr.interrupted
+    assert c.seen("response.done")[0]["response"]["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+    assert tr.types[-1] == "response.done"  # nothing of that response after its done
+    check_reply(late)
+    assert c.errors == []
+
+
+def test_barge_in_by_speech_then_truncate(server):
+    """Speech over a playing reply cancels it (status cancelled, turn_detected); the client then
+    truncates the assistant item to what it played, and the item keeps only that."""
+    pcm = speech.espeak(COMPLETE)
+
+    async def go():
+        async with RealtimeConversation(REALTIME_URL, session={"audio": {"input": {"turn_detection": SERVER_VAD}}}) as c:
+            first = c._new_turn()
+            await c.send({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story."}]}})
+            await c.send({"type": "response.create"})
+            # past the reply's first barge_in_grace_s (0.5 s): with at most 0.3 s sent ahead of real
+            # time, 0.9 s of audio received means at least 0.6 s has played
+            await c.wait_for(lambda e: first.audio_s >= 0.9)
+            second = c._new_turn()
+            await c.speak(pcm, until=lambda: second.done_at)
+            item_id = c.seen("response.output_item.added", response_id=_response_id(c, first))[0]["item"]["id"]
+            await c.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                          "audio_end_ms": 200})
+            truncated = await c.wait_for(lambda e: e["type"] in ("conversation.item.truncated", "error"))
+            await c.send({"type": "conversation.item.retrieve", "item_id": item_id})
+            item = await c.wait_for(lambda e: e["type"] in ("conversation.item.retrieved", "error"))
+            return c, first, second, truncated, item
+
+    c, first, second, truncated, item = run(go())
+    assert first.status == "cancelled"
+    done = [ev for ev in c.seen("response.done") if ev["response"]["id"] == _response_id(c, first)][0]
+    assert done["response"]["status_details"]["reason"] == "turn_detected"
+    kinds = [ev["type"] for _, ev in c.events]
+    assert kinds.index("input_audio_buffer.speech_started") < kinds.index("response.done")  # speech, then the cut
+    check_reply(second)
+    assert truncated["type"] == "conversation.item.truncated" and truncated["audio_end_ms"] == 200
+    kept = item["item"]["content"][0]["transcript"]
+    said = done["response"]["output"][0]["content"][0]["transcript"]
+    # 200 ms: only the first clause had begun playing
+    assert kept and len(kept) < len(first.response_text) and said.startswith(kept)
+    assert c.errors == []
+
+
+def _response_id(c: RealtimeConversation, tr) -> str:
+    return next(rid for rid, turn in c._by_response.items() if turn == tr.turn)
+
+
+def test_mulaw_in_and_out(server):
+    """G.711 μ-law at 8 kHz both ways: a spoken turn is heard, and the reply's deltas are μ-law
+    bytes, one per 8 kHz sample."""
+    pcm = speech.espeak("Can you hear me clearly?")
+
+    async def go():
+        async with RealtimeConversation(REALTIME_URL, audio_format="pcmu") as c:
+            tr = await c.say_audio(pcm)
+            return c, tr
+
+    c, tr = run(go())
+    assert c.session["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    assert c.session["audio"]["output"]["format"] == {"type": "audio/pcmu"}
+    assert tr.final_text.strip()
+    check_reply(tr)
+    # (that the μ-law deltas carry the reply's own audio: tests/test_realtime.py compares them with the TTS output)
+    assert c.errors == []
+
+
+BAD_EVENTS = [  # (what, raw frame, error code)
+    ("not JSON", "{oops", "invalid_json"),
+    ("unknown event type", json.dumps({"type": "sing.a.song", "event_id": "evt-unknown"}), "unknown_event"),
+    ("base64 that does not decode", json.dumps({"type": "input_audio_buffer.append", "event_id": "evt-b64",
+                                                "audio": "not base64 at all!"}), "invalid_base64"),
+    ("session.update with a wrong type", json.dumps({"type": "session.update", "event_id": "evt-type",
+                                                     "session": {"instructions": 42}}), "invalid_value"),
+    ("an append over 15 MiB", json.dumps({"type": "input_audio_buffer.append", "event_id": "evt-big",
+                                          "audio": "A" * (15 * 1024 * 1024 + 4)}), "input_audio_buffer_append_too_large"),
+]
+
+
+def test_bad_client_events_get_an_error_naming_their_event_id(server):
+    """Each bad event is answered by one error event (OpenAI's shape) naming the event's event_id;
+    the session is unchanged and answers a typed turn afterwards."""
+    async def go():
+        async with websockets.connect(REALTIME_URL, max_size=None) as ws:
+            created = json.loads(await ws.recv())
+            answers = []
+            for _, frame, _ in BAD_EVENTS:
+                await ws.send(frame)
+                answers.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Still there?"}]}}))
+            await ws.send(json.dumps({"type": "response.create"}))
+            kinds = []
+            while not kinds or kinds[-1] != "response.done":
+                kinds.append(json.loads(await asyncio.wait_for(ws.recv(), 60))["type"])
+            return created, answers, kinds
+
+    created, answers, kinds = run(go())
+    assert created["type"] == "session.created"
+    for (what, frame, code), answer in zip(BAD_EVENTS, answers):
+        assert answer["type"] == "error", what
+        assert answer["error"]["code"] == code, (what, answer)
+        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+        sent_id = None if what == "not JSON" else json.loads(frame).get("event_id")
+        assert answer["error"]["event_id"] == sent_id, what
+        assert answer["event_id"]  # every server event has its own id
+    assert "response.output_audio.delta" in kinds and "error" not in kinds
+
+
+def test_voice_change_and_own_clips_compile_nothing(server):
+    """A configured voice with a reference clip, then the session's own clip at three lengths never
+    seen before: every reply plays without a gap over the limit, and the TTS replica meets no
+    shape it did not warm (nothing compiles, nothing runs an unseen shape)."""
+    clips = {seconds: float_to_int16(resample(int16_to_float(speech.espeak(text)), 16_000, 24_000))
+             for seconds, text in ((1, "Hello there."), (2, "This is my own voice, please copy it."),
+                                   (3, "I speak slowly and clearly, so that you can learn my voice from me."))}
+    unseen_before = metric("voice_unseen_shapes_after_warmup_total", deployment="tts")
+    compiles_before = metric("voice_compiles_after_warmup_total")
+
+    async def go():
+        async with RealtimeConversation(REALTIME_URL) as c:
+            replies = [await c.say_text("Say something in the default voice.")]
+            await c.update({"audio": {"output": {"voice": "robot"}}})
+            replies.append(await c.say_text("And now in the robot voice."))
+            updates = []
+            for pcm in clips.values():
+                updates.append(await c.update({"audio": {"output": {"voice_clip": {
+                    "audio": base64.b64encode(pcm.tobytes()).decode(), "transcript": "my own clip"}}}}))
+                replies.append(await c.say_text("Now copy my voice, please."))
+            return c, replies, updates
+
+    c, replies, updates = run(go())
+    for tr in replies:
+        check_reply(tr)
+    lengths = sorted(len(p) / 24_000 for p in clips.values())
+    assert len({round(s, 2) for s in lengths}) == 3
+    for update, pcm in zip(updates, clips.values()):
+        clip = update["session"]["audio"]["output"]["voice_clip"]
+        assert clip["transcript"] == "my own clip"
+        assert clip["seconds"] == pytest.approx(np.ceil(len(pcm) / 1920) * 0.08, abs=0.01)  # 80 ms Mimi frames
+    assert metric("voice_unseen_shapes_after_warmup_total", deployment="tts") == unseen_before
+    assert metric("voice_compiles_after_warmup_total") == compiles_before
+    assert c.errors == []
+
+
+def test_agents_sdk_holds_a_spoken_conversation(server):
+    """The OpenAI Agents SDK's RealtimeAgent and RealtimeRunner, pointed at this server: two spoken
+    turns (hands-free: its default semantic_vad is our VAD plus Smart Turn), each answered with
+    audio; its history holds both exchanges with the user's words transcribed; its strict
+    validation of every server event finds nothing wrong."""
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    sentences = [speech.espeak(COMPLETE), speech.espeak("Please tell me the weather in Paris on Friday.")]
+
+    async def go():
+        agent = RealtimeAgent(name="assistant", instructions="You are a travel agent. Be brief.")
+        runner = RealtimeRunner(agent, config={"model_settings": {"voice": "ash"}})
+        session = await runner.run(model_config={"url": f"{REALTIME_URL}?model=gapless", "api_key": "unused"})
+        events, ends = [], asyncio.Queue()
+        async with session:
+            async def listen():
+                async for ev in session:
+                    events.append(ev)
+                    if ev.type == "agent_end":
+                        ends.put_nowait(ev)
+
+            listener = asyncio.create_task(listen())
+            for pcm in sentences:
+                wire = float_to_int16(resample(int16_to_float(pcm), 16_000, 24_000))
+                silence = np.zeros(480, np.int16)
+                chunks = [wire[i:i + 480] for i in range(0, len(wire), 480)]
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                k = 0
+                while ends.empty():  # speech, then silence until the agent has answered
+                    chunk = chunks[k] if k < len(chunks) else silence
+                    await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.02 - loop.time()))
+                    await session.send_audio(chunk.tobytes())
+                    k += 1
+                    assert k < 3000, "no answer within 60 s"
+                await ends.get()
+            listener.cancel()
+        return events, [ev for ev in events if ev.type == "history_updated"][-1].history
+
+    events, history = run(go())
+    kinds = [ev.type for ev in events]
+    errors = [ev for ev in events if ev.type == "error"]
+    assert errors == [], [str(ev.error)[:300] for ev in errors]
+    assert kinds.count("agent_end") >= 2 and kinds.count("audio_end") >= 2
+    assert sum(1 for k in kinds if k == "audio") > 4
+    users = [item for item in history if getattr(item, "role", None) == "user"]
+    bots = [item for item in history if getattr(item, "role", None) == "assistant"]
+    assert len(users) == 2 and len(bots) >= 2
+    for item in users:
+        assert any(getattr(part, "transcript", None) for part in item.content), item
+    for item in bots[:2]:
+        assert any(getattr(part, "transcript", None) for part in item.content), item
