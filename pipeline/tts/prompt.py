@@ -18,10 +18,11 @@ BOT_SPEAKER = 0
 USER_SPEAKER = 1
 
 
-@dataclass
+@dataclass(eq=False)
 class Segment:
     """One conversation turn: ``codes`` are its Mimi frames [T, 32] (user audio encoded once,
-    bot turns reuse the codes they were generated from: never re-encode generated audio)."""
+    bot turns reuse the codes they were generated from: never re-encode generated audio).
+    Segments compare by identity: the same turn, not equal codes."""
 
     speaker: int
     text: str

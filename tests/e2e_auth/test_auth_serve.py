@@ -55,6 +55,29 @@ def test_a_handshake_needs_a_valid_token(auth_server):
     assert (status, ready["type"]) == (101, "session.ready")
 
 
+def test_the_realtime_endpoint_needs_the_token_too(auth_server):
+    """/v1/realtime has v1's door: without the token, or with a wrong one (what the openai SDK
+    sends as its API key), the handshake is refused with 401 before any upgrade; with it, the
+    official SDK's client gets session.created."""
+    from load.realtime_client import RealtimeConversation
+
+    addr, token = "127.0.0.17", auth_server.token
+    url = f"ws://127.0.0.1:{PORT}/v1/realtime?model=gapless"
+    for headers in (None, {"Authorization": "Bearer not-the-token-at-all"}):
+        try:
+            run(websockets.connect(url, additional_headers=headers, local_addr=(addr, 0)))
+            status, body = 101, {}
+        except websockets.InvalidStatus as exc:
+            status, body = exc.response.status_code, json.loads(bytes(exc.response.body))
+        assert (status, body.get("code")) == (401, "unauthorized")
+
+    async def with_sdk():
+        async with RealtimeConversation(url, token=token) as conv:
+            return conv.ready["type"], conv.errors
+
+    assert run(with_sdk()) == ("session.created", [])
+
+
 def test_refused_handshakes_allocate_nothing(auth_server):
     token = auth_server.token
     opened_before = metric("voice_stt_streams_opened_total", token)
