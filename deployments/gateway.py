@@ -25,7 +25,7 @@ from pipeline.client_limits import ClientLimits
 from pipeline.connection import ClientGone, SessionRegistry, refuse_options, serve_connection, session_options
 from pipeline.listening import warm_listening
 from pipeline.realtime.session import RealtimeSession
-from pipeline.engines import USER_RATE, Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Voice
+from pipeline.engines import USER_RATE, Backends, EngineUnavailable, LLMFinish, NoFreeSlot, ToolCall, Voice
 from pipeline.session_config import SessionConfig
 from pipeline.tts.prompt import Segment
 
@@ -137,7 +137,7 @@ class RayBackends(Backends):
     async def stt_close(self, sid: str) -> None:
         await self._stt(sid).close.remote(sid)
 
-    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | LLMFinish]:
+    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | ToolCall | LLMFinish]:
         return _remote_stream(self.llm.options(stream=True).stream.remote(messages, **options))
 
     def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None

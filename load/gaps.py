@@ -64,6 +64,9 @@ def spoken_audio(i: int, text: str) -> tuple[np.ndarray, str]:
 
 PROTOCOLS = ("v1", "realtime")
 URLS = {"v1": "ws://127.0.0.1:8000/v1/conversation", "realtime": "ws://127.0.0.1:8000/v1/realtime"}
+# The same push-to-talk session on both: v1 without VAD or echo canceller, as Realtime with turn_detection null
+PUSH_TO_TALK = {"v1": URLS["v1"] + "?turn_detection=manual&barge_in=off&vad_events=false",
+                "realtime": URLS["realtime"]}
 
 
 def client(protocol: str, url: str, token: str | None, audio_format: str = "pcm"):

@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Collection
 
+import jsonschema
+
 from pipeline.engines import LLMOptions, Voice
 from pipeline.tts.prompt import Segment
 
@@ -44,13 +46,18 @@ class AgentSettings:
     modalities: tuple[str, ...] = ("audio",)
     tools: tuple[dict, ...] = ()  # OpenAI function tools, as the client sent them
     tool_choice: str | dict = "auto"
+    tool_filler: str | None = None  # said while a tool call's result is awaited (e.g. "One moment.")
+    tool_filler_after_ms: float = 700.0  # ... once it has been awaited this long
 
     @property
     def speaks(self) -> bool:
         return "audio" in self.modalities
 
     def llm_options(self) -> LLMOptions:
-        return LLMOptions(temperature=self.temperature, max_tokens=self.max_output_tokens)
+        calls = bool(self.tools) and self.tool_choice != "none"
+        return LLMOptions(temperature=self.temperature, max_tokens=self.max_output_tokens,
+                          tools=self.tools if calls else None,
+                          tool_choice=self.tool_choice if calls and self.tool_choice != "auto" else None)
 
     def tts_voice(self) -> Voice | None:
         """The ``voice`` argument of a TTS call; None for the server's default voice."""
@@ -72,7 +79,13 @@ class AgentSettings:
         checked = {name: _CHECKS[name](name, value, voices) for name, value in changes.items()}
         if "voice" in checked and checked["voice"] != self.voice and "voice_reference" not in checked:
             checked["voice_reference"] = None  # a session's clip belongs to the voice it was sent for
-        return dataclasses.replace(self, **checked)
+        agent = dataclasses.replace(self, **checked)
+        if isinstance(agent.tool_choice, dict) and agent.tool_choice["name"] not in {t["name"] for t in agent.tools}:
+            raise BadSetting("tool_choice", f"tool_choice names {agent.tool_choice['name']!r}, which is not one of "
+                                            f"the tools {[t['name'] for t in agent.tools]}")
+        if agent.tool_choice == "required" and not agent.tools:
+            raise BadSetting("tool_choice", "tool_choice \"required\" needs tools")
+        return agent
 
     def describe(self) -> dict[str, Any]:
         """The settings as a client reads them back (``session.updated``)."""
@@ -81,7 +94,8 @@ class AgentSettings:
                                                                         "frames": len(self.voice_reference.codes)},
                 "temperature": self.temperature, "max_output_tokens": self.max_output_tokens,
                 "output_modalities": list(self.modalities), "tools": list(self.tools),
-                "tool_choice": self.tool_choice}
+                "tool_choice": self.tool_choice, "tool_filler": self.tool_filler,
+                "tool_filler_after_ms": self.tool_filler_after_ms}
 
 
 def _instructions(name: str, value: Any, _voices) -> str | None:
@@ -140,9 +154,18 @@ def _tools(name: str, value: Any, _voices) -> tuple[dict, ...]:
             raise BadSetting(f"{name}[{i}]", f"{name}[{i}] must be a function tool ({{\"type\": \"function\", ...}})")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise BadSetting(f"{name}[{i}].name", f"{name}[{i}] needs a name")
-        if not isinstance(tool.get("parameters", {}), dict):
+        schema = tool.get("parameters", {"type": "object"})
+        if not isinstance(schema, dict):
             raise BadSetting(f"{name}[{i}].parameters", f"{name}[{i}].parameters must be a JSON schema object")
-    return tuple(dict(t) for t in value)
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise BadSetting(f"{name}[{i}].parameters",
+                             f"{name}[{i}].parameters is not a valid JSON schema: {exc.message}") from None
+    names = [t["name"] for t in value]
+    if len(set(names)) != len(names):
+        raise BadSetting(name, f"{name}: two tools have the same name")
+    return tuple(dict(t, type="function") for t in value)
 
 
 def _tool_choice(name: str, value: Any, _voices) -> str | dict:
@@ -154,6 +177,20 @@ def _tool_choice(name: str, value: Any, _voices) -> str | dict:
                            f"got {value!r}")
 
 
+def _filler(name: str, value: Any, _voices) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or len(value) > 200:
+        raise BadSetting(name, f"{name} must be a short text (at most 200 characters) or null")
+    return value
+
+
+def _filler_after(name: str, value: Any, _voices) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 60_000:
+        raise BadSetting(name, f"{name} must be a number of milliseconds from 0 to 60000, got {value!r}")
+    return float(value)
+
+
 _CHECKS = {"instructions": _instructions, "voice": _voice, "voice_reference": _reference,
            "temperature": _temperature, "max_output_tokens": _max_tokens, "modalities": _modalities,
-           "tools": _tools, "tool_choice": _tool_choice}
+           "tools": _tools, "tool_choice": _tool_choice, "tool_filler": _filler, "tool_filler_after_ms": _filler_after}

@@ -122,6 +122,8 @@ def _flag(name: str, value: str) -> bool:
 CLIENT_OPTIONS = {
     "turn_detection": lambda name, value: value,  # "vad" | "manual", validated by SessionConfig
     "echo_cancellation": _flag,  # a client that cancels echo itself (a browser) may turn the server's off
+    "barge_in": lambda name, value: value,  # "vad" | "words" | "vad+words" | "off", validated by SessionConfig
+    "vad_events": _flag,  # speech.started / speech.stopped wanted or not
 }
 
 

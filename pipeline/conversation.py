@@ -38,7 +38,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from pipeline.agent import DEFAULT_VOICE, AgentSettings
-from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, UnknownStream, Voice, bounded
+from pipeline.calls import CANCELLED as CALL_CANCELLED, TIMED_OUT, ToolCalls
+from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, ToolCall, UnknownStream, Voice, bounded
 from pipeline.history import History, Item, new_id
 from pipeline.listening import Listener
 from pipeline.reply import CANCELLED, Reply
@@ -67,6 +68,9 @@ class ConversationEvents(Protocol):
     async def reply_text(self, reply: Reply, delta: str) -> None: ...
     async def reply_audio(self, reply: Reply, pcm: np.ndarray, seq: int) -> None: ...
     async def reply_done(self, reply: Reply) -> None: ...  # reply.status says how it ended
+    async def tool_call(self, reply: Reply, call: ToolCall, item: Item) -> None: ...  # the client runs it
+    # a call whose result is no longer wanted: reason "cancelled" (the user spoke) or "timeout"
+    async def tool_cancelled(self, call: ToolCall, turn: int, reason: str) -> None: ...
     async def error(self, code: str, message: str) -> None: ...
 
 
@@ -121,6 +125,8 @@ class Conversation:
         self.context: list[Segment] = []  # CSM context, oldest first
         self._encoding: asyncio.Task | None = None  # the last user turn's audio joining the context
         self.reply: Reply | None = None
+        self.calls = ToolCalls()  # the tool calls this conversation waits on
+        self._after_calls: tuple[str, dict] | None = None  # what follows once they are settled, and its settings
         self.closed = False
 
     def _hear_with(self, cfg: SessionConfig) -> None:
@@ -183,9 +189,11 @@ class Conversation:
         if self.cfg.vad_events:
             for ev in events:
                 await self.events.speech(ev.kind, 1000 * ev.sample / VAD_RATE, self.heard.item_id)
-        if "vad" in self.cfg.barge_in_mode and self.ears.vad.speech_ms >= self.cfg.barge_in_min_speech_ms \
-                and self._reply_interruptible():
-            await self._interrupt(send_done=True, reason="turn_detected")
+        if "vad" in self.cfg.barge_in_mode and self.ears.vad.speech_ms >= self.cfg.barge_in_min_speech_ms:
+            if self._reply_interruptible():
+                await self._interrupt(send_done=True, reason="turn_detected")
+            if self.calls.waiting:  # the user speaks over a pending tool call: it is not waited for any more
+                await self._cancel_calls()
         if self.cfg.turn_detection == "manual" or self.heard.open:
             await self._on_audio(pcm)
         else:
@@ -430,6 +438,7 @@ class Conversation:
                 return None
         if typed_text is not None and self.heard.open:
             await self._end_turn(respond=respond)  # spoken audio in flight becomes its own turn first
+        await self._cancel_calls()
         await self._interrupt(send_done=True, reason="turn_detected")
         user_audio, words = None, None
         heard = self.heard
@@ -498,7 +507,8 @@ class Conversation:
         """The monotonic time at which :meth:`check_deadlines` next has work: the open turn's
         ``max_turn_s``, the end of a hands-free pause, or the idle limit. The receive loop waits
         for a frame until then."""
-        return min(t for t in (self._idle_deadline(), self._turn_deadline(), self.heard.eot_deadline) if t is not None)
+        return min(t for t in (self._idle_deadline(), self._turn_deadline(), self.heard.eot_deadline,
+                               self._calls_deadline()) if t is not None)
 
     async def check_deadlines(self) -> bool:
         """End a spoken turn that has held its slot past ``max_turn_s`` (a client that stopped
@@ -508,6 +518,7 @@ class Conversation:
         turn_at = self._turn_deadline()
         if turn_at is not None and self.clock() >= turn_at:
             await self._end_long_turn()
+        await self._check_calls()
         return self.clock() >= self._idle_deadline()
 
     def _idle_deadline(self) -> float:
@@ -522,14 +533,16 @@ class Conversation:
         return None
 
     # ------------------------------------------------------------------ replies
-    async def _start_reply(self, ended_at: float, overrides: dict[str, Any], answers: str | None = None) -> Reply:
+    async def _start_reply(self, ended_at: float, overrides: dict[str, Any], answers: str | None = None,
+                           script: str | None = None, record: bool = True) -> Reply:
         """A reply to the history as it is; ``answers``: the user turn it answers ("": an empty
         turn, which gets a reply that ends at once). ``overrides``: agent settings for this reply
-        only (checked by the caller)."""
+        only (checked by the caller). ``script``: a fixed text to say instead of the LLM's;
+        ``record``: whether what it says joins the history."""
         settings = self.agent.updated(overrides, self.voices) if overrides else self.agent
         messages = None if answers == "" else settings.messages(self.history.messages())
         encoding, self._encoding = self._encoding, None
-        reply = self.reply = Reply(self, self.turn, messages, settings, ended_at, encoding, overrides)
+        reply = self.reply = Reply(self, self.turn, messages, settings, ended_at, encoding, overrides, script, record)
         await self.events.reply_started(reply)
         reply.start()
         return reply
@@ -544,6 +557,8 @@ class Conversation:
         reply.status, reply.reason = CANCELLED, reason
         if self.ears is not None:
             self.ears.stop_playback()  # the client drops what it has not played
+        if reason == "turn_detected" or reply.calls:  # the user spoke, or the calls were this reply's
+            await self._cancel_calls()
         if send_done and not reply.done_sent:
             reply.done_sent = True
             await self.events.reply_done(reply)
@@ -554,17 +569,18 @@ class Conversation:
 
     def _remember(self, reply: Reply, said: str) -> None:
         """History and TTS context keep what was actually said (and its generated codes)."""
-        if reply.remembered or reply.messages is None:
+        if reply.remembered or reply.messages is None or not reply.record:
             return
         reply.remembered = True
-        if not (said or (self.history.last is not None and self.history.last.role == "user")):
+        calls = [item for item in map(self.history.call, (c.call_id for c in reply.calls)) if item is not None]
+        if not (said or (not calls and self.history.last is not None and self.history.last.role == "user")):
             return
         item = Item("assistant", said, id=reply.item_id, audio=bool(reply.spoken), clauses=list(reply.spoken),
                     audio_samples=reply.samples)
         if reply.codes and said:
             item.segment = Segment(BOT_SPEAKER, said, np.concatenate(reply.codes))
             self._add_context(item.segment)
-        self.history.add(item)
+        self.history.add(item, before=calls[0].id if calls else None)  # what it said, then its calls
 
     # ReplyHost: what a reply asks of its conversation
     def tts_context(self) -> list[Segment]:
@@ -591,6 +607,84 @@ class Conversation:
         self._remember(reply, reply.text.strip())
         reply.done_sent = True
         await self.events.reply_done(reply)
+        if self._after_calls is not None:
+            await self._follow_calls(finishing=reply)
+
+    async def reply_tool_call(self, reply: Reply, call: ToolCall) -> None:
+        """The LLM called a tool: the client is asked to run it; the call joins the history now."""
+        self.calls.ask(call, reply.turn, reply.id, self.clock(), reply.overrides)
+        item = self.history.add(Item.call(call.call_id, call.name, call.arguments))
+        await self.events.tool_call(reply, call, item)
+
+    # ------------------------------------------------------------------ tool results
+    async def tool_result(self, call_id: str, output: str, then: str | None = None) -> Item:
+        """The client's result for a call (raises calls.ToolResultError, changing nothing). Once the
+        last pending call has its result, ``then`` says what follows: "respond" (a reply that uses
+        the results), "close" (nothing more is said: an empty reply ends the turn's response) or
+        None (the client asks for a reply itself: Realtime ``response.create``)."""
+        pending = self.calls.answer(call_id, output, known=self.history.call(call_id) is not None)
+        item = self.history.add(Item.output(call_id, output))
+        if pending is not None and not self.calls.waiting and then is not None:
+            self._after_calls = (then, pending.overrides)
+            await self._follow_calls()
+        return item
+
+    @property
+    def awaiting_calls(self) -> bool:
+        """Tool calls are pending, or their results are in and a reply is about to follow: the
+        response of the turn goes on."""
+        return self.calls.waiting or self._after_calls is not None
+
+    async def _follow_calls(self, finishing: Reply | None = None) -> None:
+        """What follows settled calls, once no other reply is running (a filler plays out first)."""
+        if self.reply is not None and self.reply is not finishing and self.reply.running:
+            return
+        then, overrides = self._after_calls
+        self._after_calls = None
+        if then == "respond":
+            await self._start_reply(self.clock(), overrides)
+        elif then == "close":
+            await self._start_reply(self.clock(), {}, answers="")
+        elif then == "timeout":
+            await self._start_reply(self.clock(), overrides, script=self.cfg.tool_timeout_reply)
+
+    async def _cancel_calls(self) -> None:
+        """The user spoke over pending calls (or their reply was cancelled): their results are not
+        waited for; the history records that they were cancelled."""
+        for p in self.calls.end_all(CALL_CANCELLED):
+            self.history.add(Item.output(p.call.call_id, "cancelled: the user spoke before the result came"))
+            await self.events.tool_cancelled(p.call, p.turn, "cancelled")
+        self._after_calls = None
+
+    def _calls_deadline(self) -> float | None:
+        oldest = self.calls.oldest()
+        if oldest is None:
+            return None
+        due = oldest + self.cfg.tool_timeout_s
+        if self.agent.tool_filler and not self.calls.filler_spoken:
+            due = min(due, oldest + self.agent.tool_filler_after_ms / 1000)
+        return due
+
+    async def _check_calls(self) -> None:
+        """Pending calls past ``tool_timeout_s`` end (the reply says so); past the filler delay, the
+        filler is said once while nothing else plays."""
+        oldest = self.calls.oldest()
+        if oldest is None:
+            return
+        now = self.clock()
+        if now >= oldest + self.cfg.tool_timeout_s:
+            overrides: dict = {}
+            for p in self.calls.end_all(TIMED_OUT):
+                overrides = p.overrides
+                self.history.add(Item.output(p.call.call_id, f"error: no result within {self.cfg.tool_timeout_s:g} s"))
+                await self.events.tool_cancelled(p.call, p.turn, "timeout")
+            self._after_calls = ("timeout", overrides)
+            await self._follow_calls()
+        elif (self.agent.tool_filler and not self.calls.filler_spoken
+              and now >= oldest + self.agent.tool_filler_after_ms / 1000
+              and not (self.reply is not None and self.reply.running)):
+            self.calls.filler_spoken = True
+            await self._start_reply(now, {}, script=self.agent.tool_filler, record=False)
 
     async def error(self, code: str, message: str) -> None:
         if self.cfg.on_error:

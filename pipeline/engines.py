@@ -40,14 +40,27 @@ class UnknownStream(Exception):
 
 @dataclass(frozen=True)
 class LLMOptions:
-    """Sampling a session chose for its replies; None keeps the LLM replica's configured value."""
+    """What a session chose for its replies; None keeps the LLM replica's configured value.
+    ``tools`` are OpenAI function tools ({"type": "function", "name", "description",
+    "parameters"}); ``tool_choice`` is "auto", "required" or {"type": "function", "name": ...}."""
 
     temperature: float | None = None
     max_tokens: int | None = None  # new tokens of one reply at most
+    tools: tuple[dict, ...] | None = None
+    tool_choice: str | dict | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The keyword arguments of ``llm_stream``: only the settings that were chosen."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the LLM made: the client runs the tool and answers with its output for ``call_id``."""
+
+    call_id: str
+    name: str
+    arguments: str  # JSON text
 
 
 @dataclass(frozen=True)
@@ -92,9 +105,9 @@ class Backends(Protocol):
     async def stt_finish(self, sid: str) -> tuple[str, list[dict]]: ...  # (text, words with times); frees the slot
     @abstractmethod
     async def stt_close(self, sid: str) -> None: ...
-    # Text deltas (str), then possibly one LLMFinish; keywords as LLMOptions.overrides().
+    # Text deltas (str) and ToolCalls, then possibly one LLMFinish; keywords as LLMOptions.overrides().
     @abstractmethod
-    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | LLMFinish]: ...
+    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | ToolCall | LLMFinish]: ...
     # (int16 24 kHz chunk, Mimi codes [n, 32] of the frames that made it)
     @abstractmethod
     def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None

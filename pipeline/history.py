@@ -26,9 +26,13 @@ def new_id(prefix: str) -> str:
 
 @dataclass
 class Item:
-    role: str  # "user" | "assistant"
-    text: str
+    role: str  # "user" | "assistant" (function calls: "assistant"; their outputs: "tool")
+    text: str  # a message's text; a function call's output for function_call_output items
     id: str = field(default_factory=lambda: new_id("item"))
+    kind: str = "message"  # "message" | "function_call" | "function_call_output"
+    call_id: str | None = None  # function calls and their outputs
+    name: str | None = None  # function calls
+    arguments: str | None = None  # function calls: JSON text
     audio: bool = False  # user: spoken (transcribed); assistant: its reply had audio
     # assistant items with audio: where each clause of ``text`` began (24 kHz samples), the audio's
     # length, and the TTS context segment of its codes (trimmed with the item)
@@ -40,8 +44,13 @@ class Item:
     def audio_ms(self) -> float:
         return 1000 * self.audio_samples / SAMPLE_RATE
 
-    def message(self) -> dict:
-        return {"role": self.role, "content": self.text}
+    @classmethod
+    def call(cls, call_id: str, name: str, arguments: str) -> "Item":
+        return cls("assistant", "", kind="function_call", call_id=call_id, name=name, arguments=arguments)
+
+    @classmethod
+    def output(cls, call_id: str, output: str) -> "Item":
+        return cls("tool", output, kind="function_call_output", call_id=call_id)
 
 
 class UnknownItem(KeyError):
@@ -54,7 +63,24 @@ class History:
         self.max_items = max_items
 
     def messages(self) -> list[dict]:
-        return [item.message() for item in self.items]
+        """The items as chat messages (OpenAI's format): a function call joins the assistant
+        message before it (or starts one), its output is a ``tool`` message."""
+        out: list[dict] = []
+        for item in self.items:
+            if item.kind == "function_call":
+                call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+                if not (out and out[-1]["role"] == "assistant"):
+                    out.append({"role": "assistant", "content": ""})
+                out[-1].setdefault("tool_calls", []).append(call)
+            elif item.kind == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+            else:
+                out.append({"role": item.role, "content": item.text})
+        return out
+
+    def call(self, call_id: str) -> Item | None:
+        """The function call item of ``call_id``, if the conversation has one."""
+        return next((i for i in self.items if i.kind == "function_call" and i.call_id == call_id), None)
 
     @property
     def last(self) -> Item | None:
@@ -66,9 +92,11 @@ class History:
                 return item
         raise UnknownItem(item_id)
 
-    def add(self, item: Item, after: str | None = None) -> Item:
-        """Append ``item``, or insert it after the item ``after`` ("root": first)."""
-        if after is None:
+    def add(self, item: Item, after: str | None = None, before: str | None = None) -> Item:
+        """Append ``item``, or insert it after the item ``after`` ("root": first), or before ``before``."""
+        if before is not None:
+            self.items.insert(self.items.index(self.get(before)), item)
+        elif after is None:
             self.items.append(item)
         elif after == "root":
             self.items.insert(0, item)

@@ -23,7 +23,7 @@ MAX_VOICE_CLIP_BYTES = VOICE_CLIP_RATE * 2
 # v1 names of the agent settings (session.update, a turn's ``response``) -> pipeline.agent.AgentSettings fields
 SETTINGS = {"instructions": "instructions", "voice": "voice", "temperature": "temperature",
             "max_output_tokens": "max_output_tokens", "output_modalities": "modalities", "tools": "tools",
-            "tool_choice": "tool_choice"}
+            "tool_choice": "tool_choice", "tool_filler": "tool_filler", "tool_filler_after_ms": "tool_filler_after_ms"}
 # Largest frame we read at all: one second of audio plus msgpack overhead, with room to spare.
 MAX_FRAME_BYTES = 64 * 1024
 
@@ -45,6 +45,7 @@ E_ENGINE_UNAVAILABLE = "engine_unavailable"  # a model replica failed or did not
 E_INTERNAL = "internal"                # a server fault while handling this session
 E_BAD_OPTION = "bad_option"            # a session option in the URL query is unknown or bad; closed (1008)
 E_BAD_SETTING = "bad_setting"          # a session.update / response setting is unknown or bad; nothing changes
+E_TOOL_RESULT_TOO_LARGE = "tool_result_too_large"  # a tool.result's output over 16 KiB; the call stays pending
 
 CLOSE_NORMAL = 1000
 CLOSE_TRY_AGAIN_LATER = 1013
@@ -90,7 +91,14 @@ class VoiceClip:
     done: bool
 
 
-ClientMessage = AudioIn | TextIn | TurnEnd | SessionUpdate | VoiceClip
+@dataclass(frozen=True)
+class ToolResult:
+    call_id: str
+    output: str
+    respond: bool  # the reply goes on with the results (else the turn's response ends)
+
+
+ClientMessage = AudioIn | TextIn | TurnEnd | SessionUpdate | VoiceClip | ToolResult
 
 
 def _field(msg: dict, name: str, kind: type | tuple[type, ...], type_name: str):
@@ -147,8 +155,13 @@ def parse_client_frame(frame: bytes | str) -> ClientMessage:
         if done and not text:
             raise ProtocolError(E_MISSING_FIELD, "the last voice.clip frame (done: true) needs the clip's text")
         return VoiceClip(np.frombuffer(pcm, dtype="<i2").astype(np.int16, copy=True), text, done)
+    if kind == "tool.result":
+        respond = msg.get("respond", True)
+        if not isinstance(respond, bool):
+            raise ProtocolError(E_WRONG_TYPE, f"field 'respond' must be a boolean, got {type(respond).__name__}")
+        return ToolResult(_field(msg, "call_id", str, "a string"), _field(msg, "output", str, "a string"), respond)
     raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {kind!r} (expected audio, text, turn.end, "
-                                        "session.update, voice.clip)")
+                                        "session.update, voice.clip, tool.result)")
 
 
 def _settings(given: dict) -> dict:
@@ -219,6 +232,16 @@ def error(code: str, message: str, param: str | None = None) -> dict:
     if param is not None:  # (v1 extension) the setting a bad_setting error is about
         msg["param"] = param
     return msg
+
+
+def tool_call(call_id: str, name: str, arguments: str, turn: int) -> dict:
+    """(v1 extension) the LLM called a tool: the client runs it and answers with ``tool.result``."""
+    return {"type": "tool.call", "call_id": call_id, "name": name, "arguments": arguments, "turn": turn}
+
+
+def tool_cancelled(call_id: str, turn: int, reason: str) -> dict:
+    """(v1 extension) a call's result is no longer wanted: ``cancelled`` (the user spoke) or ``timeout``."""
+    return {"type": "tool.cancelled", "call_id": call_id, "turn": turn, "reason": reason}
 
 
 def session_updated(settings: dict) -> dict:

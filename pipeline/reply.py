@@ -18,7 +18,7 @@ import numpy as np
 
 from pipeline.agent import AgentSettings
 from pipeline.clauses import ClauseSplitter
-from pipeline.engines import Backends, EngineUnavailable, LLMFinish, Voice, bounded_stream
+from pipeline.engines import Backends, EngineUnavailable, LLMFinish, ToolCall, Voice, bounded_stream
 from pipeline.history import new_id
 from pipeline.session_config import SessionConfig
 from pipeline.tts.prompt import BOT_SPEAKER, Segment
@@ -40,6 +40,7 @@ class ReplyHost(Protocol):
     def tts_context(self) -> list[Segment]: ...  # the conversation's TTS context now
     def reply_voice(self, reply: "Reply") -> Voice | None: ...  # the voice of the reply's next clause
     async def reply_text(self, reply: "Reply", delta: str) -> None: ...
+    async def reply_tool_call(self, reply: "Reply", call: ToolCall) -> None: ...
     async def reply_audio(self, reply: "Reply", pcm: np.ndarray, seq: int) -> None: ...
     async def reply_error(self, reply: "Reply", code: str, message: str) -> None: ...
     async def reply_ended(self, reply: "Reply") -> None: ...  # ran to its end (also after an error)
@@ -47,7 +48,8 @@ class ReplyHost(Protocol):
 
 class Reply:
     def __init__(self, host: ReplyHost, turn: int, messages: list[dict] | None, settings: AgentSettings,
-                 ended_at: float, encoding: asyncio.Task | None = None, overrides: dict | None = None):
+                 ended_at: float, encoding: asyncio.Task | None = None, overrides: dict | None = None,
+                 script: str | None = None, record: bool = True):
         self.host = host
         self.turn = turn
         self.id = new_id("resp")
@@ -55,6 +57,9 @@ class Reply:
         self.messages = messages  # None: nothing to answer (an empty turn); it ends at once
         self.settings = settings  # the session's settings with this reply's overrides, at its start
         self.overrides = overrides or {}  # the settings this reply chose for itself
+        self.script = script  # a fixed text to speak instead of the LLM's (a tool call's filler or timeout)
+        self.record = record  # what it says joins the history (a filler does not)
+        self.calls: list[ToolCall] = []  # the tool calls the LLM made (the first one ends the speaking)
         self.ended_at = ended_at  # when the user's turn ended (voice-to-voice is counted from it)
         self.encoding = encoding  # the user's audio joining the TTS context; awaited before the first clause
         self.status = IN_PROGRESS
@@ -109,7 +114,8 @@ class Reply:
         speaker = asyncio.create_task(self._speak(clauses, started)) if self.settings.speaks else None
         try:
             splitter = ClauseSplitter(max_words=cfg.clause_max_words)
-            llm = host.backends.llm_stream(self.messages, **self.settings.llm_options().overrides())
+            llm = _scripted(self.script) if self.script is not None else \
+                host.backends.llm_stream(self.messages, **self.settings.llm_options().overrides())
             # aclosing: a cancelled reply closes the engine stream before the cancellation goes on (its
             # clean-up is queued on the inference thread by then), not whenever the collector finds it.
             async with contextlib.aclosing(bounded_stream(llm, cfg.engine_timeout_s)) as deltas:
@@ -121,7 +127,14 @@ class Reply:
                         if delta.prompt_tokens is not None and delta.completion_tokens is not None:
                             self.usage = (delta.prompt_tokens, delta.completion_tokens)
                         continue
-                    if not delta:
+                    if isinstance(delta, ToolCall):
+                        if not self.calls:  # a call ends the speaking: what came before it is said
+                            for clause in splitter.flush():
+                                clauses.put_nowait(clause)
+                        self.calls.append(delta)
+                        await host.reply_tool_call(self, delta)
+                        continue
+                    if not delta or self.calls:
                         continue
                     if not self.text:
                         self._mark("llm_first_token_ms", started)
@@ -219,3 +232,8 @@ class Reply:
         finally:
             chunks.put_nowait(None)
 
+
+
+async def _scripted(text: str):
+    """A fixed text as an LLM stream would bring it."""
+    yield text

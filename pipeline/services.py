@@ -16,7 +16,8 @@ import numpy as np
 
 from pipeline import metrics
 from pipeline.runtime import InferenceThread
-from pipeline.engines import USER_RATE, Backends, LLMFinish, NoFreeSlot, UnknownStream, Voice
+from pipeline.engines import USER_RATE, Backends, LLMFinish, NoFreeSlot, ToolCall, UnknownStream, Voice
+from pipeline.llm.tool_calls import ToolCallParser
 from pipeline.tts.prompt import Segment
 
 if TYPE_CHECKING:
@@ -183,28 +184,39 @@ class LLMService:
     def __init__(self, engine, thread: InferenceThread):
         self.engine, self.thread = engine, thread
 
-    async def stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | LLMFinish]:
-        """Text deltas of the reply to ``messages``, then an :class:`LLMFinish` where the engine
-        tells why it stopped. ``options``: ``temperature`` and ``max_tokens`` for this reply
-        (``pipeline.engines.LLMOptions``); unknown ones are refused.
+    async def stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | ToolCall | LLMFinish]:
+        """Text deltas and tool calls of the reply to ``messages``, then an :class:`LLMFinish` where
+        the engine tells why it stopped. ``options``: ``temperature``, ``max_tokens``, ``tools`` and
+        ``tool_choice`` for this reply (``pipeline.engines.LLMOptions``); unknown ones are refused.
+        A model engine writes calls in its own text; they are parsed out here
+        (``pipeline.llm.tool_calls``), so the text before a call streams on as it comes.
 
         Closing or cancelling this generator closes the engine's stream at once (the model's on
         the inference thread), not whenever the garbage collector finds it."""
-        unknown = set(options) - {"temperature", "max_tokens"}
+        unknown = set(options) - {"temperature", "max_tokens", "tools", "tool_choice"}
         if unknown:
             raise TypeError(f"unknown LLM options {sorted(unknown)}")
-        overrides = {"temperature": options.get("temperature"), "max_new_tokens": options.get("max_tokens")}
+        overrides = {"temperature": options.get("temperature"), "max_new_tokens": options.get("max_tokens"),
+                     "tools": list(options["tools"]) if options.get("tools") else None,
+                     "tool_choice": options.get("tool_choice")}
         overrides = {k: v for k, v in overrides.items() if v is not None}
         t0 = time.perf_counter()
         first = True
+        parser = ToolCallParser() if overrides.get("tools") and not hasattr(self.engine, "astream") else None
         async with contextlib.aclosing(self._deltas(messages, overrides)) as deltas:
             async for delta in deltas:
                 if first:
                     metrics.LLM_TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - t0)
                     first = False
-                yield delta
+                if parser is None:
+                    yield delta
+                    continue
+                for item in parser.push(delta) if isinstance(delta, str) else [*parser.flush(), delta]:
+                    yield item
+            for item in parser.flush() if parser is not None else ():  # a stream that ended without LLMFinish
+                yield item
 
-    def _deltas(self, messages: list[dict], overrides: dict[str, Any]) -> AsyncIterator[str | LLMFinish]:
+    def _deltas(self, messages: list[dict], overrides: dict[str, Any]) -> AsyncIterator[str | ToolCall | LLMFinish]:
         if hasattr(self.engine, "astream"):
             return self.engine.astream(messages, **overrides)
         return self.thread.iterate(self.engine.stream, messages, last=_finish, **overrides)
@@ -337,7 +349,7 @@ class LocalBackends(Backends):
     async def stt_close(self, sid: str) -> None:
         await self.stt.close(sid)
 
-    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | LLMFinish]:
+    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | ToolCall | LLMFinish]:
         return self.llm.stream(messages, **options)
 
     def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None

@@ -20,7 +20,8 @@ import numpy as np
 from pipeline import protocol as P
 from pipeline.agent import DEFAULT_VOICE, MAX_VOICE_CLIP_S, BadSetting
 from pipeline.conversation import Conversation
-from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, UnknownStream
+from pipeline.calls import ToolResultError
+from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, ToolCall, UnknownStream
 from pipeline.history import Item
 from pipeline.reply import CANCELLED, Reply
 from pipeline.session_config import SessionConfig
@@ -51,6 +52,11 @@ class Session:
         self._send_lock = asyncio.Lock()
         self._clip: list[np.ndarray] = []  # voice.clip pieces so far
         self._clip_samples = 0
+        # A turn's response may span several replies (one that calls tools, a filler, the one that uses
+        # the results): its audio's seq runs on across them, and it ends with one response.done.
+        self._seq_turn, self._seq = 0, 0
+        self._done_turn = 0  # the last turn whose response.done went out
+        self._open_turn: int | None = None  # a turn whose reply waits on tool results
 
     # What tests and tools read of the conversation
     @property
@@ -122,6 +128,8 @@ class Session:
                 await self._updated(self.core.update(msg.settings))
             elif isinstance(msg, P.VoiceClip):
                 await self._voice_clip(msg)
+            elif isinstance(msg, P.ToolResult):
+                await self._tool_result(msg)
         except BadSetting as exc:
             if self.cfg.on_error:
                 self.cfg.on_error(P.E_BAD_SETTING)
@@ -156,6 +164,16 @@ class Session:
             return
         await self._updated(self.core.update({"voice_reference": reference}))
 
+    async def _tool_result(self, msg: P.ToolResult) -> None:
+        """A result goes to its pending call; the reply goes on with it (``respond``, the default)
+        once every call of the reply has one. A result for a call the session does not wait on
+        (unknown, cancelled, timed out, already answered) is ignored."""
+        try:
+            await self.core.tool_result(msg.call_id, msg.output, then="respond" if msg.respond else "close")
+        except ToolResultError as exc:
+            if exc.code == "tool_result_too_large":
+                await self.core.error(P.E_TOOL_RESULT_TOO_LARGE, exc.message)
+
     # ------------------------------------------------------------------ ConversationEvents
     async def speech(self, kind: str, audio_ms: float, item_id: str) -> None:
         await self.send(P.speech_event(kind, audio_ms))
@@ -173,11 +191,32 @@ class Session:
         await self.send(P.response_text(delta, reply.turn))
 
     async def reply_audio(self, reply: Reply, pcm: np.ndarray, seq: int) -> None:
-        await self.send(P.audio_out(pcm, reply.turn, seq))
+        if reply.turn != self._seq_turn:
+            self._seq_turn, self._seq = reply.turn, 0
+        await self.send(P.audio_out(pcm, reply.turn, self._seq))
+        self._seq += 1
 
     async def reply_done(self, reply: Reply) -> None:
+        if reply.turn <= self._done_turn:
+            return  # the turn's response has ended already
         interrupted = reply.status == CANCELLED
-        await self.send(P.response_done(reply.turn, interrupted, None if interrupted else reply.marks))
+        if not interrupted and self.core.awaiting_calls:
+            self._open_turn = reply.turn  # it goes on once the tool results are in
+            return
+        await self._done(reply.turn, interrupted, None if interrupted else reply.marks)
+
+    async def _done(self, turn: int, interrupted: bool, timings: dict | None = None) -> None:
+        self._done_turn, self._open_turn = turn, None
+        await self.send(P.response_done(turn, interrupted, timings))
+
+    async def tool_call(self, reply: Reply, call: ToolCall, item: Item) -> None:
+        await self.send(P.tool_call(call.call_id, call.name, call.arguments, reply.turn))
+
+    async def tool_cancelled(self, call: ToolCall, turn: int, reason: str) -> None:
+        await self.send(P.tool_cancelled(call.call_id, turn, reason))
+        running = self.core.reply is not None and self.core.reply.running
+        if reason == "cancelled" and self._open_turn == turn and not self.core.awaiting_calls and not running:
+            await self._done(turn, interrupted=True)  # nothing plays: the waiting response ends here
 
     async def error(self, code: str, message: str) -> None:
         await self.send(P.error(code, message))

@@ -62,6 +62,9 @@ class SessionConfig:
     # An engine call, or the next item of an engine stream, that takes longer fails with
     # engine_unavailable (a dead or unreachable replica is never heard as silence).
     engine_timeout_s: float = 1.5
+    # Tool calls (docs/agents.md): a call without a result this long ends, and the reply says so.
+    tool_timeout_s: float = 30.0
+    tool_timeout_reply: str = "Sorry, I could not get that answer."
     # Observers for metrics (the gateway wires them); called with seconds.
     on_chunk_gap: Callable[[float], None] | None = None
     on_first_audio: Callable[[float], None] | None = None
@@ -72,7 +75,7 @@ class SessionConfig:
     on_smart_turn: Callable[[float], None] | None = None  # one Smart Turn call, seconds
 
     def __post_init__(self) -> None:
-        for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s",
+        for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s", "tool_timeout_s",
                      "max_sessions_per_client", "handshakes_per_minute"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")

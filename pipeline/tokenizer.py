@@ -33,10 +33,20 @@ SPECIAL_TOKENS = [
     "<|pad|>",
 ]
 
+# Llama-3's turn format; tools (when given) and tool calls in the Hermes / Qwen2.5 format, as the
+# real checkpoint's template writes them (pipeline/llm/tool_calls.py parses them back).
 LLAMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
+    "{{ bos_token }}"
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n# Tools\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "To call a function, write <tool_call>\n{\"name\": <name>, \"arguments\": <arguments>}\n</tool_call><|eot_id|>"
+    "{% endif %}"
+    "{% for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{{ (message['content'] or '') | trim }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 

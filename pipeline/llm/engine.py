@@ -101,6 +101,11 @@ def build_prompt(
     return head + turns[start:]
 
 
+# A tool for warm-up: a forced call builds the grammar's tokenizer (and on a GPU its mask kernel).
+WARMUP_TOOL = {"type": "function", "name": "ping", "description": "Warm-up.",
+               "parameters": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}
+
+
 # --------------------------------------------------------------------------------------------
 # sampling
 
@@ -262,6 +267,7 @@ class LLMEngine:
         self._active = 0
         self._count_lock = threading.Lock()
         self._streams_started = 0
+        self._lltokenizer = None  # llguidance's tokenizer, for forced tool calls
 
     # -- public API -------------------------------------------------------------------------
 
@@ -271,15 +277,34 @@ class LLMEngine:
         return self._active
 
     def warmup(self) -> None:
-        """Run one short generation (prefill + decode steps), on the calling (inference) thread."""
+        """Run one short generation (prefill + decode steps), and one forced tool call (the tool-call
+        grammar's tokenizer and, on a GPU, its mask kernel), on the calling (inference) thread."""
         t0 = time.perf_counter()
-        stream = self.stream([{"role": "user", "content": "Hello!"}], max_new_tokens=4, temperature=0.0)
-        try:
-            for _ in stream:
-                pass
-        finally:
-            stream.close()
+        for tools in (None, [WARMUP_TOOL]):
+            stream = self.stream([{"role": "user", "content": "Hello!"}], max_new_tokens=4, temperature=0.0,
+                                 tools=tools, tool_choice="required" if tools else None)
+            try:
+                for _ in stream:
+                    pass
+            finally:
+                stream.close()
+        if self.device.type == "cuda":
+            from pipeline.llm.constraint import warm_gpu_kernel
+
+            warm_gpu_kernel(self.device, self.vocab_size)
         log.info("LLM warm-up took %.3f s", time.perf_counter() - t0)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def _call_tokenizer(self):
+        """llguidance's tokenizer, built once (on the inference thread: warm-up builds it)."""
+        if self._lltokenizer is None:
+            from pipeline.llm.constraint import tokenizer_for
+
+            self._lltokenizer = tokenizer_for(self.tokenizer, self.vocab_size)
+        return self._lltokenizer
 
     def stream(
         self,
@@ -290,16 +315,28 @@ class LLMEngine:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
     ) -> "LLMStream":
-        """Start generating a reply to ``messages`` (conversation, oldest first).
+        """Start generating a reply to ``messages`` (conversation, oldest first, OpenAI chat format).
 
         The system prompt is applied and old turns trimmed to ``cfg.history_tokens`` (see
         :func:`build_prompt`). Returns an iterator of text deltas; nothing runs on the model
         until its first ``next()``. Keyword arguments override the config per request.
+        ``tools`` (OpenAI function tools) go to the chat template; the model calls one in its own
+        format (``pipeline.llm.tool_calls``). ``tool_choice`` ``"required"`` or a named function
+        forces a call, its arguments constrained to the tool's schema (``pipeline.llm.constraint``).
         """
         cfg = self.cfg
         max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        prompt_ids = self.prompt_ids(messages, max_new_tokens=max_new)
+        prompt_ids = self.prompt_ids(messages, max_new_tokens=max_new, tools=tools)
+        constraint = None
+        if tools and tool_choice is not None and tool_choice not in ("auto", "none"):
+            from pipeline.llm.constraint import CallConstraint
+            from pipeline.llm.tool_calls import chosen_tools, forced_call_grammar
+
+            constraint = CallConstraint(self._call_tokenizer(), forced_call_grammar(chosen_tools(tools, tool_choice)))
+            max_new = max(max_new, cfg.max_tool_call_tokens)  # a call cut short could not run
         max_new = min(max_new, cfg.max_context_tokens - len(prompt_ids))
         if seed is None:
             seed = cfg.seed + self._streams_started
@@ -312,13 +349,15 @@ class LLMEngine:
             top_k=cfg.top_k if top_k is None else int(top_k),
             top_p=cfg.top_p if top_p is None else float(top_p),
             seed=seed,
+            constraint=constraint,
         )
 
-    def count_prompt_tokens(self, messages: list[Message]) -> int:
-        return len(self._apply_template(messages))
+    def count_prompt_tokens(self, messages: list[Message], tools: list[dict] | None = None) -> int:
+        return len(self._apply_template(messages, tools))
 
-    def prompt_ids(self, messages: list[Message], *, max_new_tokens: int | None = None) -> list[int]:
-        """The token ids of the templated, trimmed prompt for ``messages``."""
+    def prompt_ids(self, messages: list[Message], *, max_new_tokens: int | None = None,
+                   tools: list[dict] | None = None) -> list[int]:
+        """The token ids of the templated, trimmed prompt for ``messages`` (and ``tools``)."""
         cfg = self.cfg
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         hard_limit = cfg.max_context_tokens - max(1, max_new)
@@ -328,10 +367,11 @@ class LLMEngine:
                 f"with max_new_tokens={max_new}"
             )
         budget = min(cfg.history_tokens, hard_limit)
-        msgs = build_prompt(messages, cfg.system_prompt, budget, count_tokens=self.count_prompt_tokens)
-        ids = self._apply_template(msgs)
+        msgs = build_prompt(messages, cfg.system_prompt, budget,
+                            count_tokens=lambda m: self.count_prompt_tokens(m, tools))
+        ids = self._apply_template(msgs, tools)
         if len(ids) > hard_limit:
-            ids = self._truncate_last_user(msgs, len(ids) - hard_limit)
+            ids = self._truncate_last_user(msgs, len(ids) - hard_limit, tools)
         if len(ids) >= cfg.max_context_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit max_context_tokens={cfg.max_context_tokens}")
         return ids
@@ -341,15 +381,18 @@ class LLMEngine:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _apply_template(self, messages: list[Message]) -> list[int]:
+    def _apply_template(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        from pipeline.llm.tool_calls import template_messages, template_tools
+
         out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            template_messages(messages), tools=template_tools(tools), add_generation_prompt=True, tokenize=True,
+            return_dict=False,
         )
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)
 
-    def _truncate_last_user(self, msgs: list[Message], overflow: int) -> list[int]:
+    def _truncate_last_user(self, msgs: list[Message], overflow: int, tools: list[dict] | None = None) -> list[int]:
         """Cut the start of the latest user message so the prompt shrinks by ``overflow`` tokens."""
         idx = max(i for i, m in enumerate(msgs) if m.get("role") == "user") if any(
             m.get("role") == "user" for m in msgs
@@ -358,7 +401,7 @@ class LLMEngine:
         keep = max(0, len(content_ids) - overflow - 2)  # 2 tokens of slack for re-tokenization
         msgs = list(msgs)
         msgs[idx] = dict(msgs[idx], content=self.decode(content_ids[len(content_ids) - keep:]) if keep else "")
-        return self._apply_template(msgs)
+        return self._apply_template(msgs, tools)
 
     def _find_stop_ids(self) -> set[int]:
         tok = self.tokenizer
@@ -426,8 +469,10 @@ class LLMStream(Iterator[str]):
         top_k: int,
         top_p: float,
         seed: int,
+        constraint=None,
     ):
         self.engine = engine
+        self.constraint = constraint  # a forced tool call's grammar (pipeline.llm.constraint), or None
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max(0, max_new_tokens)
         self.temperature = temperature
@@ -512,9 +557,13 @@ class LLMStream(Iterator[str]):
                 pos = torch.full((1, 1), self._pos, dtype=torch.long, device=eng.device)
                 logits = eng._forward(self._next_token, pos, self._cache)
                 self._pos += 1
+            if self.constraint is not None:
+                self.constraint.mask(logits)  # the grammar's next tokens only
             tok = sample_next(logits, self.temperature, self.top_k, self.top_p, self._generator)
             self._next_token = tok.view(1, 1)
             token_id = int(tok.item())  # the one host sync per step
+            if self.constraint is not None:
+                self.constraint.accept(token_id)
             if self.first_token_s is None:  # prefill + first sample
                 self.first_token_s = time.perf_counter() - t0
         if eng.cfg.token_delay_s > 0:
@@ -541,6 +590,12 @@ class LLMStream(Iterator[str]):
                 self._finish("length")
                 return rest or None
             token_id = self._step()
+            if self.constraint is not None and self.constraint.finished:  # the forced call is written
+                self.generated.append(token_id)
+                self.finish_reason = "stop"
+                rest = self._flush()
+                self._finish("stop")
+                return rest or None
             if token_id in self.engine.stop_ids:
                 self.finish_reason = "stop"
                 rest = self._flush()

@@ -16,9 +16,10 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from pipeline.engines import LLMFinish
+from pipeline.engines import LLMFinish, ToolCall
 from pipeline.llm.config import LLMConfig
 from pipeline.llm.engine import Message, build_prompt
+from pipeline.llm.tool_calls import new_call_id, template_tools
 
 _DONE = "[DONE]"
 
@@ -50,13 +51,14 @@ class OpenAIEngine:
     def warmup(self) -> None:
         """Nothing to load; the server warms itself."""
 
-    async def astream(self, messages: list[Message], **overrides: Any) -> AsyncIterator[str | LLMFinish]:
+    async def astream(self, messages: list[Message], **overrides: Any) -> AsyncIterator[str | ToolCall | LLMFinish]:
         """Text deltas of the reply to ``messages``; keyword arguments as :meth:`request_body`.
 
         Closing or cancelling the generator closes the HTTP response (the server sees the
         connection drop and stops generating)."""
         body = self.request_body(messages, **overrides)
         reason, usage = None, None
+        calls: dict[int, dict] = {}  # tool calls by index, assembled from their deltas
         self._active += 1  # only the event loop's thread touches the count
         try:
             async with self._http().stream("POST", self._url, json=body, headers=self._headers()) as resp:
@@ -69,10 +71,14 @@ class OpenAIEngine:
                     delta = _delta(chunk)
                     if delta:
                         yield delta
+                    _add_call_deltas(calls, chunk)
                     reason = _finish_reason(chunk) or reason
                     usage = chunk.get("usage") or usage
         finally:
             self._active -= 1
+        for index in sorted(calls):
+            call = calls[index]
+            yield ToolCall(call["id"] or new_call_id(), call["name"], call["arguments"] or "{}")
         if reason == "length" or usage:  # something to tell beyond a natural end
             usage = usage or {}
             yield LLMFinish(reason or "stop", usage.get("prompt_tokens"), usage.get("completion_tokens"))
@@ -86,13 +92,16 @@ class OpenAIEngine:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
     ) -> dict[str, Any]:
-        """The chat-completions request: trimmed prompt, config sampling unless overridden."""
+        """The chat-completions request: trimmed prompt, config sampling unless overridden, and the
+        session's tools (OpenAI's chat-completions shape) passed upstream."""
         cfg = self.cfg
         msgs = build_prompt(messages, cfg.system_prompt, cfg.history_tokens)
         body: dict[str, Any] = {
             "model": cfg.openai_model,
-            "messages": [{"role": m["role"], "content": m.get("content") or ""} for m in msgs],
+            "messages": [_message(m) for m in msgs],
             "stream": True,
             "max_tokens": cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens),
             "temperature": cfg.temperature if temperature is None else float(temperature),
@@ -105,6 +114,11 @@ class OpenAIEngine:
             body["top_k"] = k  # an extension that vLLM / llama.cpp / TGI accept; OpenAI's API does not
         if seed is not None:
             body["seed"] = int(seed)
+        if tools:
+            body["tools"] = template_tools(tools)
+            if tool_choice is not None:
+                body["tool_choice"] = ({"type": "function", "function": {"name": tool_choice["name"]}}
+                                       if isinstance(tool_choice, dict) else tool_choice)
         return body
 
     # -- internals ----------------------------------------------------------------------------
@@ -173,6 +187,28 @@ def _delta(chunk: dict) -> str:
         return ""
     choice = choices[0]
     return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+
+
+def _message(m: Message) -> dict[str, Any]:
+    """A conversation message as chat completions take it (tool calls and results included)."""
+    out: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+    if m.get("tool_calls"):
+        out["tool_calls"] = m["tool_calls"]
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _add_call_deltas(calls: dict[int, dict], chunk: dict) -> None:
+    """Fold a chunk's ``delta.tool_calls`` into the calls being assembled (OpenAI streams a call's id
+    and name once, then its arguments in pieces)."""
+    for choice in chunk.get("choices") or []:
+        for piece in (choice.get("delta") or {}).get("tool_calls") or []:
+            call = calls.setdefault(int(piece.get("index", 0)), {"id": None, "name": "", "arguments": ""})
+            call["id"] = piece.get("id") or call["id"]
+            function = piece.get("function") or {}
+            call["name"] += function.get("name") or ""
+            call["arguments"] += function.get("arguments") or ""
 
 
 def _finish_reason(chunk: dict) -> str | None:

@@ -43,18 +43,28 @@ class VLLMEngine:
         return len(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
 
     def stream(self, messages: list[dict], *, max_new_tokens: int | None = None, temperature: float | None = None,
-               **_: Any) -> "VLLMStream":
+               tools: list[dict] | None = None, tool_choice: str | dict | None = None, **_: Any) -> "VLLMStream":
+        """As LLMEngine.stream: tools go to the model's chat template, its calls come back in its own
+        text (the Hermes format, which the service parses; a model needs a template that writes it,
+        as Qwen2.5's does). A forced call (``required`` or a named function) is guided by the same
+        llguidance grammar as the local engine's, through vLLM's structured outputs."""
         from vllm import SamplingParams
 
+        from pipeline.llm.tool_calls import template_messages, template_tools
+
         cfg = self.cfg
-        budget = min(cfg.history_tokens, cfg.max_context_tokens - (max_new_tokens or cfg.max_new_tokens))
+        max_new = max_new_tokens or cfg.max_new_tokens
+        budget = min(cfg.history_tokens, cfg.max_context_tokens - max_new)
         msgs = build_prompt(messages, cfg.system_prompt, budget, count_tokens=self._count)
-        prompt = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        prompt = self.tokenizer.apply_chat_template(template_messages(msgs), tools=template_tools(tools), tokenize=False,
+                                                    add_generation_prompt=True)
+        guided = _forced_call(tools, tool_choice)
         params = SamplingParams(
-            max_tokens=max_new_tokens or cfg.max_new_tokens,
+            max_tokens=max(max_new, cfg.max_tool_call_tokens) if guided else max_new,
             temperature=cfg.temperature if temperature is None else float(temperature),
             top_k=cfg.top_k if cfg.top_k and cfg.top_k > 0 else -1,
             top_p=cfg.top_p,
+            **guided,
         )
         rid = f"r{next(self._ids)}"
         self._buffers[rid] = deque()
@@ -103,3 +113,21 @@ class VLLMStream(Iterator[str]):
         if not self._done:
             self.engine.engine.abort_request(self.rid)
             self._release()
+
+
+def _forced_call(tools: list[dict] | None, tool_choice: str | dict | None) -> dict[str, Any]:
+    """SamplingParams keywords that force one tool call (vLLM's structured outputs with the
+    llguidance grammar; its name changed across vLLM versions). Untested here: no GPU, no vLLM."""
+    if not tools or tool_choice in (None, "auto", "none"):
+        return {}
+    from pipeline.llm.tool_calls import chosen_tools, forced_call_grammar
+
+    grammar = forced_call_grammar(chosen_tools(tools, tool_choice))
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return {"structured_outputs": StructuredOutputsParams(grammar=grammar)}
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(grammar=grammar, backend="guidance")}

@@ -36,6 +36,12 @@ def error(kind: str, code: str, message: str, param: str | None = None, event_id
 
 def item(it: Item, status: str = "completed") -> dict:
     """A history item as a Realtime conversation item (no audio bytes: transcripts only)."""
+    if it.kind == "function_call":
+        return {"id": it.id, "object": "realtime.item", "type": "function_call", "status": status,
+                "call_id": it.call_id, "name": it.name, "arguments": it.arguments if status == "completed" else ""}
+    if it.kind == "function_call_output":
+        return {"id": it.id, "object": "realtime.item", "type": "function_call_output", "status": status,
+                "call_id": it.call_id, "output": it.text}
     if it.role == "user":
         part = {"type": "input_audio", "transcript": it.text} if it.audio else {"type": "input_text", "text": it.text}
     elif it.audio:

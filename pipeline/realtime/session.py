@@ -27,7 +27,8 @@ import numpy as np
 from pipeline.agent import DEFAULT_VOICE, MAX_VOICE_CLIP_S, MAX_VOICE_CLIP_TEXT, BadSetting
 from pipeline.audio_formats import ENGINE_INPUT_RATE, Decoder, Encoder
 from pipeline.conversation import Conversation
-from pipeline.engines import Backends, EngineUnavailable
+from pipeline.calls import ToolResultError
+from pipeline.engines import Backends, EngineUnavailable, ToolCall
 from pipeline.history import Item, UnknownItem, new_id
 from pipeline.realtime import events as E
 from pipeline.realtime import settings as S
@@ -155,7 +156,9 @@ class RealtimeSession:
         except ClientEventError as exc:
             await self._refuse(exc.code, exc.message, exc.param)
         except BadSetting as exc:
-            await self._refuse("invalid_value", exc.message, AGENT_PARAMS.get(exc.param, exc.param))
+            await self._refuse("invalid_value", exc.message,
+                               AGENT_PARAMS.get(exc.param, exc.param if exc.param.startswith(("session", "response"))
+                                                else f"session.{exc.param}"))
         finally:
             self._client_event_id = None
 
@@ -261,9 +264,13 @@ class RealtimeSession:
         if after is not None and after != "root":
             self._known(after)
         role, kind = item.get("role"), item.get("type", "message")
+        if kind in ("function_call", "function_call_output"):
+            await self._announce(await self._call_item(item, kind, after), after)
+            return
         if kind != "message" or role not in ("user", "assistant"):
             raise ClientEventError("invalid_value", f"items of type {kind!r} with role {role!r} are not supported "
-                                                    "(user and assistant messages are)", "item")
+                                                    "(user and assistant messages, function calls and their "
+                                                    "outputs are)", "item")
         content = item.get("content")
         if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
             raise ClientEventError("invalid_value", "item.content must be a non-empty list of content parts", "item.content")
@@ -282,11 +289,34 @@ class RealtimeSession:
             raise ClientEventError("invalid_value", f"{role} message content must be {sorted(text_kinds)} parts with "
                                                     "text (or, for users, input_audio parts)", "item.content")
         text = " ".join(p["text"] for p in content)
-        added = await self.core.add_item(Item(role, text, id=_item_id(item)), after)
-        await self.emit({"type": "conversation.item.added", "previous_item_id": self.core.history.previous_id(added),
-                         "item": E.item(added)})
-        await self.emit({"type": "conversation.item.done", "previous_item_id": self.core.history.previous_id(added),
-                         "item": E.item(added)})
+        await self._announce(await self.core.add_item(Item(role, text, id=_item_id(item)), after), after)
+
+    async def _announce(self, added: Item, after: str | None) -> None:
+        previous = self.core.history.previous_id(added) if added in self.core.history.items else after
+        await self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": E.item(added)})
+        await self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": E.item(added)})
+
+    async def _call_item(self, item: dict, kind: str, after: str | None) -> Item:
+        """A function call's output (the client ran the tool), or a call the client adds to the
+        history itself; no response starts (``response.create`` asks for one)."""
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ClientEventError("invalid_value", f"a {kind} item needs its call_id", "item.call_id")
+        if kind == "function_call":
+            name, arguments = item.get("name"), item.get("arguments", "{}")
+            if not isinstance(name, str) or not isinstance(arguments, str):
+                raise ClientEventError("invalid_value", "a function_call item needs a name and arguments (a string)",
+                                       "item")
+            return await self.core.add_item(Item.call(call_id, name, arguments), after)
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise ClientEventError("invalid_value", "a function_call_output item needs its output (a string)",
+                                   "item.output")
+        try:
+            return await self.core.tool_result(call_id, output)
+        except ToolResultError as exc:
+            raise ClientEventError(exc.code, exc.message, "item.call_id" if exc.code != "tool_result_too_large"
+                                   else "item.output") from None
 
     def _known(self, item_id: Any) -> Item:
         try:
@@ -445,7 +475,8 @@ class RealtimeSession:
             await self.emit({"type": "conversation.item.done", "previous_item_id": None, "item": item})
             await self.emit({"type": "response.output_item.done", "response_id": reply.id, "output_index": 0,
                              "item": item})
-            output = [item]
+            output = [item, *(E.item(it) for it in map(self.core.history.call, (c.call_id for c in reply.calls))
+                              if it is not None)]
         details = {COMPLETED: None,
                    CANCELLED: {"type": "cancelled", "reason": reply.reason},
                    INCOMPLETE: {"type": "incomplete", "reason": reply.reason},
@@ -453,6 +484,24 @@ class RealtimeSession:
         usage = E.usage(*reply.usage) if reply.usage else None
         await self.emit({"type": "response.done",
                          "response": self._response(reply, wire, reply.status, output, details, usage)})
+
+    async def tool_call(self, reply: Reply, call: ToolCall, item: Item) -> None:
+        """A function call of the running response, whole (its arguments in one delta): the client
+        runs it, then sends its output (``conversation.item.create``) and ``response.create``."""
+        at = {"response_id": reply.id, "output_index": len(reply.calls)}  # the message item is output 0
+        previous = self.core.history.previous_id(item)
+        await self.emit({"type": "response.output_item.added", **at, "item": E.item(item, "in_progress")})
+        await self.emit({"type": "conversation.item.added", "previous_item_id": previous,
+                         "item": E.item(item, "in_progress")})
+        args = {**at, "item_id": item.id, "call_id": call.call_id}
+        await self.emit({"type": "response.function_call_arguments.delta", **args, "delta": call.arguments})
+        await self.emit({"type": "response.function_call_arguments.done", **args, "name": call.name,
+                         "arguments": call.arguments})
+        await self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": E.item(item)})
+        await self.emit({"type": "response.output_item.done", **at, "item": E.item(item)})
+
+    async def tool_cancelled(self, call: ToolCall, turn: int, reason: str) -> None:
+        pass  # the protocol has no event for it: a late output for the call gets an error (call_cancelled)
 
     async def error(self, code: str, message: str) -> None:
         kind = E.INVALID_REQUEST if code in CLIENT_CAUSED else E.SERVER_ERROR

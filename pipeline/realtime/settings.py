@@ -101,6 +101,7 @@ def initial(session_id: str, model: str, cfg: SessionConfig) -> dict:
                             "turn_detection": detection},
                   "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "default", "speed": 1.0}},
         "tools": [], "tool_choice": "auto", "max_output_tokens": "inf", "temperature": None,
+        "tool_filler": None, "tool_filler_after_ms": 700,
         "tracing": None, "truncation": "auto", "prompt": None, "include": None, "expires_at": 0,
     }
 
@@ -187,7 +188,8 @@ def apply(session: dict, server: SessionConfig) -> SessionTerms:
     agent = {"instructions": session.get("instructions"), "voice": voice,
              "modalities": session.get("output_modalities") or ["audio"],
              "max_output_tokens": session.get("max_output_tokens"), "temperature": session.get("temperature"),
-             "tools": session.get("tools") or [], "tool_choice": session.get("tool_choice") or "auto"}
+             "tools": session.get("tools") or [], "tool_choice": session.get("tool_choice") or "auto",
+             "tool_filler": session.get("tool_filler"), "tool_filler_after_ms": session.get("tool_filler_after_ms", 700)}
     return SessionTerms(_format(session, "input"), _format(session, "output"), turn_taking, agent,
                         reply_on_turn_end, transcription is not None)
 

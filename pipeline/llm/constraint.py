@@ -1,0 +1,64 @@
+"""Constrained decoding of a forced tool call: llguidance masks the logits before each sample, so
+the call's arguments always parse and fit the tool's JSON schema.
+
+llguidance (Microsoft's, behind vLLM's and llama.cpp's structured output) computes each step's
+mask from the grammar lazily, on the CPU, in tens of microseconds: there is no per-schema index
+to build ahead, which suits tools that arrive with each session. The mask is applied in place: on
+the CPU through numpy (no compile at all), on a GPU with llguidance's torch kernel, compiled once
+for its one shape at warm-up (:func:`warm_gpu_kernel`). The mask goes to the device as a copy;
+nothing comes back, so the constraint adds no host sync to a step (the step's one sync remains
+reading the sampled token, which the matcher then consumes).
+"""
+from __future__ import annotations
+
+import llguidance
+import llguidance.numpy as llg_numpy
+
+
+class CallConstraint:
+    """One stream's grammar state: :meth:`mask` before sampling, :meth:`accept` after."""
+
+    def __init__(self, tokenizer: "llguidance.LLTokenizer", grammar: str):
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if self.matcher.is_error():
+            raise ValueError(f"tool call grammar: {self.matcher.get_error()}")
+        self._bitmask = llg_numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: the call has been written."""
+        return self.matcher.is_stopped()
+
+    def mask(self, logits) -> None:
+        """Tokens the grammar does not allow next get -inf (``logits``: the step's [vocab] tensor)."""
+        llg_numpy.fill_next_token_bitmask(self.matcher, self._bitmask)
+        if logits.device.type == "cpu":
+            llg_numpy.apply_token_bitmask_inplace(logits.numpy()[None], self._bitmask)
+        else:
+            import torch
+            import llguidance.torch as llg_torch
+
+            mask = torch.from_numpy(self._bitmask).to(logits.device, non_blocking=True)
+            llg_torch.apply_token_bitmask_inplace(logits[None], mask)
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):
+            raise RuntimeError(f"the sampled token {token_id} broke the tool call grammar: {self.matcher.get_error()}")
+
+
+def tokenizer_for(hf_tokenizer, vocab_size: int) -> "llguidance.LLTokenizer":
+    """llguidance's view of a Hugging Face fast tokenizer (~1 s for a real vocabulary: build it once),
+    sized to the model's logits."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+
+def warm_gpu_kernel(device, vocab_size: int) -> None:
+    """Compile llguidance's mask kernel for this engine's one logits shape before serving (GPU only)."""
+    import torch
+    import llguidance.torch as llg_torch
+
+    logits = torch.zeros(1, vocab_size, device=device)
+    mask = torch.full(llg_torch.get_bitmask_shape(1, vocab_size), -1, dtype=torch.int32, device=device)
+    llg_torch.apply_token_bitmask_inplace(logits, mask)
