@@ -138,21 +138,33 @@ async def refuse_options(conn: Connection, message: str) -> None:
 
 async def _receive_loop(conn: Connection, session: Session) -> None:
     """Frames go to the session in order; between frames the session's deadlines (the open turn's
-    time cap, the idle limit) are checked, so a silent client is still served by its limits."""
-    while True:
-        timeout = max(0.0, session.next_deadline() - time.monotonic())
-        try:
-            frame = await asyncio.wait_for(conn.receive(), timeout)
-        except asyncio.TimeoutError:
-            if await session.check_deadlines():
+    time cap, a pause's end, a tool call's filler and timeout, the idle limit) are checked, so a
+    silent client is still served by its limits. A deadline set between frames (a tool call the
+    LLM just made) wakes the wait at once; a frame being received is never abandoned."""
+    frame_task: asyncio.Task | None = None
+    changed = session.deadline_changed
+    try:
+        while True:
+            if frame_task is None:
+                frame_task = asyncio.ensure_future(conn.receive())
+            changed.clear()
+            wake = asyncio.ensure_future(changed.wait())
+            timeout = max(0.0, session.next_deadline() - time.monotonic())
+            done, _ = await asyncio.wait({frame_task, wake}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            wake.cancel()
+            if frame_task in done:
+                frame, frame_task = frame_task.result(), None
+                if frame is None:
+                    return
+                await session.on_frame(frame)
+            elif wake not in done and await session.check_deadlines():
                 await _close_quietly(conn, session, P.E_IDLE_TIMEOUT,
                                      f"nothing sent either way for {session.cfg.idle_timeout_s:g} s; closing",
                                      P.CLOSE_NORMAL, "idle timeout")
                 return
-            continue
-        if frame is None:
-            return
-        await session.on_frame(frame)
+    finally:
+        if frame_task is not None:
+            frame_task.cancel()
 
 
 async def _close_quietly(conn: Connection, session: Session, code: str, message: str,

@@ -126,6 +126,7 @@ class Conversation:
         self._encoding: asyncio.Task | None = None  # the last user turn's audio joining the context
         self.reply: Reply | None = None
         self.calls = ToolCalls()  # the tool calls this conversation waits on
+        self.deadline_changed = asyncio.Event()  # set when next_deadline() moved earlier between frames
         self._after_calls: tuple[str, dict] | None = None  # what follows once they are settled, and its settings
         self.closed = False
 
@@ -540,6 +541,10 @@ class Conversation:
         only (checked by the caller). ``script``: a fixed text to say instead of the LLM's;
         ``record``: whether what it says joins the history."""
         settings = self.agent.updated(overrides, self.voices) if overrides else self.agent
+        last = self.history.last
+        if last is not None and last.kind == "function_call_output" and settings.tool_choice != "none":
+            # a reply to tool results may call again, but is not made to: "required" would loop forever
+            settings = dataclasses.replace(settings, tool_choice="auto")
         messages = None if answers == "" else settings.messages(self.history.messages())
         encoding, self._encoding = self._encoding, None
         reply = self.reply = Reply(self, self.turn, messages, settings, ended_at, encoding, overrides, script, record)
@@ -613,6 +618,7 @@ class Conversation:
     async def reply_tool_call(self, reply: Reply, call: ToolCall) -> None:
         """The LLM called a tool: the client is asked to run it; the call joins the history now."""
         self.calls.ask(call, reply.turn, reply.id, self.clock(), reply.overrides)
+        self.deadline_changed.set()  # its filler and timeout clocks start: the receive loop must look again
         item = self.history.add(Item.call(call.call_id, call.name, call.arguments))
         await self.events.tool_call(reply, call, item)
 

@@ -69,7 +69,9 @@ class LLMConfig:
             temperature=0.9,
             top_k=40,
             history_tokens=192,
-            max_context_tokens=256,
+            # room for tools in the prompt (their schemas, a few hundred tiny-vocabulary tokens) and a
+            # forced call's arguments (max_tool_call_tokens)
+            max_context_tokens=1024,
             device="cpu",
             dtype="float32",
         )

@@ -329,7 +329,6 @@ class LLMEngine:
         """
         cfg = self.cfg
         max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        prompt_ids = self.prompt_ids(messages, max_new_tokens=max_new, tools=tools)
         constraint = None
         if tools and tool_choice is not None and tool_choice not in ("auto", "none"):
             from pipeline.llm.constraint import CallConstraint
@@ -337,6 +336,7 @@ class LLMEngine:
 
             constraint = CallConstraint(self._call_tokenizer(), forced_call_grammar(chosen_tools(tools, tool_choice)))
             max_new = max(max_new, cfg.max_tool_call_tokens)  # a call cut short could not run
+        prompt_ids = self.prompt_ids(messages, max_new_tokens=max_new, tools=tools)
         max_new = min(max_new, cfg.max_context_tokens - len(prompt_ids))
         if seed is None:
             seed = cfg.seed + self._streams_started

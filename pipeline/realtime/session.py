@@ -109,6 +109,10 @@ class RealtimeSession:
     def next_deadline(self) -> float:
         return self.core.next_deadline()
 
+    @property
+    def deadline_changed(self) -> asyncio.Event:
+        return self.core.deadline_changed
+
     async def check_deadlines(self) -> bool:
         return await self.core.check_deadlines()
 

@@ -338,3 +338,131 @@ def test_agents_sdk_holds_a_spoken_conversation(server):
         assert any(getattr(part, "transcript", None) for part in item.content), item
     for item in bots[:2]:
         assert any(getattr(part, "transcript", None) for part in item.content), item
+
+
+# ----------------------------------------------------------------------------- function calling
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather of a city.", "parameters": {
+    "type": "object", "required": ["city"], "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}
+ASK_WEATHER = {"type": "conversation.item.create", "item": {
+    "type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the weather in Paris?"}]}}
+
+
+async def _forced_call(c: RealtimeConversation) -> dict:
+    """Ask; the reply (tool_choice required) calls the tool: its arguments' done event, once its
+    response is done."""
+    first = c._new_turn()
+    await c.send(ASK_WEATHER)
+    await c.send({"type": "response.create"})
+    await c.wait_for(lambda e: e["type"] == "response.done" and first.done_at)
+    return c.seen("response.function_call_arguments.done")[-1]
+
+
+def test_sdk_function_call_output_then_the_spoken_answer(server):
+    """The official SDK: response.function_call_arguments.done -> function_call_output +
+    response.create -> the answer, spoken."""
+    async def go():
+        async with RealtimeConversation(REALTIME_URL, session={"tools": [WEATHER], "tool_choice": "required"}) as c:
+            call = await _forced_call(c)
+            await c.send({"type": "conversation.item.create", "event_id": "out-1", "item": {
+                "type": "function_call_output", "call_id": call["call_id"], "output": "Sunny and 21 degrees."}})
+            added = await c.wait_for(lambda e: e["type"] in ("conversation.item.added", "error"))
+            answer = c._new_turn()
+            await c.send({"type": "response.create"})
+            await c.wait_for(lambda e: e["type"] == "response.done" and answer.done_at)
+            return c, call, added, answer
+
+    c, call, added, answer = run(go())
+    assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] in ("Paris", "Rome")
+    first_done = c.seen("response.done")[0]["response"]
+    assert [o["type"] for o in first_done["output"]] == ["message", "function_call"]
+    assert first_done["output"][1]["call_id"] == call["call_id"] and first_done["output"][1]["status"] == "completed"
+    assert added["type"] == "conversation.item.added" and added["item"]["type"] == "function_call_output"
+    check_reply(answer)
+    assert c.errors == []
+
+
+def test_barge_in_cancels_a_pending_call_and_its_late_output_is_refused(server):
+    """Speech while a call's result is awaited cancels the call: the user's turn is answered, and
+    the call's late output is refused (call_cancelled) and not spoken."""
+    pcm = speech.espeak(COMPLETE)
+
+    async def go():
+        async with RealtimeConversation(REALTIME_URL, session={
+                "tools": [WEATHER], "tool_choice": "required", "audio": {"input": {"turn_detection": SERVER_VAD}}}) as c:
+            call = await _forced_call(c)
+            await c.update({"tool_choice": "auto"})  # the spoken turn's reply needs no tool
+            spoken = c._new_turn()
+            await c.speak(pcm, until=lambda: spoken.done_at)
+            await c.send({"type": "conversation.item.create", "event_id": "late-1", "item": {
+                "type": "function_call_output", "call_id": call["call_id"], "output": "Sunny."}})
+            refused = await c.wait_for(lambda e: e["type"] in ("error", "conversation.item.added"))
+            created_after = len(c.seen("response.created"))
+            return c, spoken, refused, created_after
+
+    c, spoken, refused, created_after = run(go())
+    check_reply(spoken)
+    assert refused["type"] == "error"
+    assert (refused["error"]["code"], refused["error"]["event_id"]) == ("call_cancelled", "late-1")
+    assert created_after == 2  # the call's response and the spoken turn's: nothing answers the late output
+    c.errors.remove(refused["error"])
+    assert c.errors == []
+
+
+def test_filler_then_the_timeout_reply(server):
+    """No output for a call: the filler is said as its own response after tool_filler_after_ms, and
+    after the server's tool_timeout_s (10 s in serve_config.yaml) a response says the answer could
+    not be had."""
+    async def go():
+        async with RealtimeConversation(REALTIME_URL, session={
+                "tools": [WEATHER], "tool_choice": "required", "tool_filler": "One moment.",
+                "tool_filler_after_ms": 300}) as c:
+            await _forced_call(c)
+            filler, timeout = c._new_turn(), None
+            await c.wait_for(lambda e: e["type"] == "response.done" and filler.done_at, timeout=30)
+            timeout = c._new_turn()
+            await c.wait_for(lambda e: e["type"] == "response.done" and timeout.done_at, timeout=30)
+            return c, filler, timeout
+
+    c, filler, timeout = run(go())
+    assert filler.response_text == "One moment." and filler.chunks
+    assert timeout.response_text == "Sorry, I could not get that answer."
+    check_reply(timeout)
+    assert timeout.done_at - filler.done_at > 5  # the timeout came seconds after the filler, not with it
+    assert c.errors == []
+
+
+def test_agents_sdk_function_tool_runs_and_the_agent_speaks_after_it(server):
+    """The Agents SDK with a @function_tool: the server's forced call reaches the tool (with
+    schema-valid arguments), the SDK returns its output, and the agent speaks after it."""
+    from typing import Literal
+
+    from agents import function_tool
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    ran: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather of a city."""
+        ran.append(city)
+        return f"It is sunny in {city}."
+
+    async def go():
+        agent = RealtimeAgent(name="assistant", instructions="Use your tool.", tools=[get_weather])
+        runner = RealtimeRunner(agent, config={"model_settings": {"tool_choice": "required"}})
+        session = await runner.run(model_config={"url": f"{REALTIME_URL}?model=gapless", "api_key": "unused"})
+        events = []
+        async with session:
+            await session.send_message("What is the weather in Paris?")
+            async for ev in session:
+                events.append(ev)
+                if ev.type == "agent_end" and any(e.type == "tool_end" for e in events):
+                    break
+                assert len(events) < 5000
+        return events
+
+    events = asyncio.run(asyncio.wait_for(go(), 120))
+    kinds = [ev.type for ev in events]
+    assert [e for e in events if e.type == "error"] == []
+    assert len(ran) == 1 and ran[0] in ("Paris", "Rome")
+    assert kinds.index("tool_start") < kinds.index("tool_end") < len(kinds) - 1 - kinds[::-1].index("audio")

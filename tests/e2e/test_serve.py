@@ -3,6 +3,7 @@ local Ray cluster, the WebSocket protocol from a client's side."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.request
@@ -373,3 +374,37 @@ def test_bad_session_option_is_refused(server):
     msg, code = run(go())
     assert msg["type"] == "error" and msg["code"] == P.E_BAD_OPTION and "turn_detection" in msg["message"]
     assert code == P.CLOSE_POLICY_VIOLATION
+
+
+def test_tool_call_then_result_then_the_spoken_answer(server):
+    """Protocol v1's function calling through the running app: tool.call (arguments valid for the
+    tool's schema: the call is forced), tool.result, and the reply goes on, spoken, in the same
+    turn, ending with one response.done."""
+    weather = {"type": "function", "name": "get_weather", "description": "The weather of a city.", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}
+
+    async def go():
+        async with websockets.connect(URL) as ws:
+            msgs = [P.unpack(await ws.recv())]
+
+            async def until(pred):
+                while not pred(msgs[-1]):
+                    msgs.append(P.unpack(await asyncio.wait_for(ws.recv(), 60)))
+                return msgs[-1]
+
+            await ws.send(P.pack({"type": "session.update", "tools": [weather], "tool_choice": "required"}))
+            await until(lambda m: m["type"] == "session.updated")
+            await ws.send(P.client_text("What is the weather in Paris?"))
+            call = await until(lambda m: m["type"] == "tool.call")
+            await ws.send(P.pack({"type": "tool.result", "call_id": call["call_id"], "output": "Sunny, 21 degrees."}))
+            await until(lambda m: m["type"] == "response.done")
+            return msgs, call
+
+    msgs, call = run(go())
+    turn = [m for m in msgs if m.get("turn") == 1]
+    kinds = [m["type"] for m in turn]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] in ("Paris", "Rome")
+    assert kinds.index("tool.call") < kinds.index("audio") and kinds[-1] == "response.done"
+    assert kinds.count("response.done") == 1 and turn[-1]["interrupted"] is False
+    assert [m["seq"] for m in turn if m["type"] == "audio"] == list(range(kinds.count("audio")))
+    assert not any(m["type"] == "error" for m in msgs)
