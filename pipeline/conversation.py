@@ -15,10 +15,9 @@ user turn, cancels the reply, and the history keeps only what was actually said.
 conversation so far as CSM context: user turns' audio encoded once, bot turns' generated codes,
 inside a bounded number of segments.
 
-A conversation holds an STT slot only during a spoken turn: from the turn's first audio frame to
-its end. Idle or typing sessions hold none, so open sockets never lock speakers out; a turn that
-finds every slot busy is told so once (``no_free_slot``), its audio is dropped, and a later frame
-of it tries again.
+A conversation holds an STT slot only during a spoken turn (``pipeline/hearing.py``). The LLM may
+call the session's tools: the client runs them, and the reply goes on with their results
+(``pipeline/calls.py`` keeps what is pending; fillers and time limits are the core's deadlines).
 
 Engines fail without taking the conversation with them: every engine call, and every item of an
 engine stream, must answer within ``engine_timeout_s`` or fails as :class:`EngineUnavailable`
@@ -32,14 +31,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from pipeline.agent import DEFAULT_VOICE, AgentSettings
 from pipeline.calls import CANCELLED as CALL_CANCELLED, TIMED_OUT, ToolCalls
-from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, ToolCall, UnknownStream, Voice, bounded
+from pipeline.engines import Backends, EngineUnavailable, ToolCall, Voice, bounded
+from pipeline.hearing import E_ENGINE_UNAVAILABLE, INPUT_RATE, Recogniser, UserTurn
 from pipeline.history import History, Item, new_id
 from pipeline.listening import Listener
 from pipeline.reply import CANCELLED, Reply
@@ -49,11 +48,8 @@ from pipeline.vad import SAMPLE_RATE as VAD_RATE, VADEvent
 
 log = logging.getLogger(__name__)
 
-INPUT_RATE = 16_000
 # Error codes the core raises (protocol adapters map them onto their wire's errors).
-E_NO_FREE_SLOT = "no_free_slot"
 E_TURN_TOO_LONG = "turn_too_long"
-E_ENGINE_UNAVAILABLE = "engine_unavailable"
 
 
 class ConversationEvents(Protocol):
@@ -74,32 +70,6 @@ class ConversationEvents(Protocol):
     async def error(self, code: str, message: str) -> None: ...
 
 
-@dataclass
-class UserTurn:
-    """The spoken turn being heard: all of its state, replaced whole when it ends."""
-
-    item_id: str = field(default_factory=lambda: new_id("item"))  # its history item (speech events name it)
-    open: bool = False  # audio of it has arrived and it has not ended
-    partial: str = ""
-    audio: list[np.ndarray] = field(default_factory=list)  # the recognised audio, at most max_turn_s
-    samples: int = 0  # samples in ``audio``
-    loud: bool = False  # some of its audio is loud enough to barge in by words
-    holds_slot: bool = False  # an STT slot may be held for it (close() releases it)
-    slot_taken_at: float = 0.0  # when it got its slot (the max_turn_s clock)
-    refused_at: float | None = None  # last refusal of its slot; None: not refused
-    eot_deadline: float | None = None  # a pause Smart Turn called incomplete ends the turn then
-
-    def lose_audio(self, now: float) -> bool:
-        """Its recogniser stream is gone (refused, or lost with its replica): the audio so far is
-        dropped and a later frame tries again. True the first time (the client is told once)."""
-        first = self.refused_at is None
-        self.holds_slot, self.partial, self.audio, self.samples, self.refused_at = False, "", [], 0, now
-        return first
-
-    def joined_audio(self) -> np.ndarray:
-        return np.concatenate(self.audio) if self.audio else np.zeros(0, np.int16)
-
-
 class Conversation:
     def __init__(self, events: ConversationEvents, backends: Backends, cfg: SessionConfig | None = None,
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
@@ -114,7 +84,7 @@ class Conversation:
         self.smart_turn = smart_turn
         self.ears: Listener | None = None
         self._hear_with(self.cfg)
-        self.heard = UserTurn()
+        self.recogniser = Recogniser(backends, self.id, lambda: self.cfg, clock, self.error)
         self.turn = 0  # number of the last user turn that ended
         self.reply_on_turn_end = True  # a turn the server ended gets its reply (Realtime: create_response)
         self._ended_by_server = False  # hands-free: the last spoken turn was ended by the server, no speech since
@@ -129,6 +99,11 @@ class Conversation:
         self.deadline_changed = asyncio.Event()  # set when next_deadline() moved earlier between frames
         self._after_calls: tuple[str, dict] | None = None  # what follows once they are settled, and its settings
         self.closed = False
+
+    @property
+    def heard(self) -> UserTurn:
+        """The spoken turn being heard (or the next one's id, before it starts)."""
+        return self.recogniser.turn
 
     def _hear_with(self, cfg: SessionConfig) -> None:
         """Ears (echo cancellation + VAD) when any setting uses the VAD; Smart Turn for hands-free turns."""
@@ -176,7 +151,7 @@ class Conversation:
         await self._interrupt(send_done=False)
         if self._encoding is not None:
             self._encoding.cancel()
-        await self._release_slot()
+        await self.recogniser.release()
 
     # ------------------------------------------------------------------ input
     async def hear(self, pcm: np.ndarray) -> None:
@@ -228,28 +203,11 @@ class Conversation:
         """A user message the client gives as audio (16 kHz int16): recognised whole on a stream of
         its own (a spoken turn may be open beside it) and added to the history; no turn, no reply.
         Raises EngineUnavailable (no free slot included) with nothing added."""
-        sid = f"{self.id}:item"
-        try:
-            await self._engine(self.backends.stt_open(sid))
-        except NoFreeSlot as exc:
-            raise EngineUnavailable(f"no recogniser slot is free ({exc})") from None
-        try:
-            for start in range(0, len(pcm), INPUT_RATE):
-                await self._engine(self.backends.stt_push(sid, pcm[start:start + INPUT_RATE]))
-            text, _ = await self._engine(self.backends.stt_finish(sid))
-        except BaseException:
-            await asyncio.shield(self._close_stream(sid))
-            raise
+        text = await self.recogniser.transcribe(pcm, f"{self.id}:item")
         item = self.history.add(Item("user", text.strip(), audio=True), after)
         if item.text and len(pcm):
             self._encoding = asyncio.create_task(self._encode_user_turn(item.text, pcm))
         return item
-
-    async def _close_stream(self, sid: str) -> None:
-        try:
-            await self._engine(self.backends.stt_close(sid))
-        except Exception:  # noqa: BLE001 - the replica may be gone with it
-            log.warning("session %s: closing STT stream %s failed", self.id, sid)
 
     async def respond(self, overrides: dict[str, Any] | None = None) -> Reply:
         """Start a reply to the conversation so far (Realtime ``response.create``); the caller
@@ -265,8 +223,8 @@ class Conversation:
 
     async def clear_audio(self) -> None:
         """Drop the open spoken turn's audio (Realtime ``input_audio_buffer.clear``)."""
-        await self._release_slot()
-        self.heard = UserTurn()
+        await self.recogniser.release()
+        self.recogniser.drop()
 
     async def truncate(self, item_id: str, audio_end_ms: float) -> Item:
         """Keep only what the client played of an assistant item (raises UnknownItem / ValueError)."""
@@ -314,7 +272,7 @@ class Conversation:
             if not self.heard.open:
                 await self._begin_turn()
             elif not self.heard.holds_slot:
-                await self._retry_slot()
+                await self.recogniser.retry()
             if not self.heard.holds_slot:
                 return  # a refused turn: its audio is dropped
             room = self._max_turn_samples - self.heard.samples
@@ -324,79 +282,14 @@ class Conversation:
                 await self._end_long_turn()
 
     async def _begin_turn(self) -> None:
-        self.heard = UserTurn(item_id=self.heard.item_id, open=True)
         self._ended_by_server = False
-        await self._take_slot()
-
-    async def _take_slot(self) -> None:
-        """Take an STT slot for the open turn. Refused, the client hears it once per turn, the
-        turn's audio is dropped, and a later frame of it tries again (``_retry_slot``)."""
-        self.heard.holds_slot = True  # set first: if this call is cancelled midway, close() still releases
-        try:
-            await self._engine(self.backends.stt_open(self.id))
-        except NoFreeSlot as exc:
-            await self._lose_slot(E_NO_FREE_SLOT, f"{exc}; this turn's audio is dropped until a slot frees "
-                                  "(the session stays open: speak on, speak again later, or type)")
-            return
-        except EngineUnavailable as exc:
-            await self._lose_slot(E_ENGINE_UNAVAILABLE, f"the recogniser is unavailable ({exc}); this turn's "
-                                  "audio is dropped until it answers (the session stays open)")
-            return
-        self.heard.refused_at = None
-        self.heard.slot_taken_at = self.clock()
-
-    async def _lose_slot(self, code: str, message: str) -> None:
-        if self.heard.lose_audio(self.clock()):
-            await self.error(code, message)
-
-    async def _retry_slot(self) -> None:
-        """A refused turn asks again at most every ``slot_retry_s``, so hands-free clients recover."""
-        if self.clock() - self.heard.refused_at >= self.cfg.slot_retry_s:
-            await self._take_slot()
-
-    async def _release_slot(self) -> None:
-        if not self.heard.holds_slot:
-            return
-        self.heard.holds_slot = False
-        try:
-            await self._engine(self.backends.stt_close(self.id))
-        except EngineUnavailable as exc:  # a replica that went away took the slot with it
-            log.warning("session %s: releasing the STT slot: %s", self.id, exc)
-        except Exception:  # noqa: BLE001 - releasing must not raise
-            log.exception("session %s: releasing the STT slot failed", self.id)
-
-    async def _engine(self, call):
-        return await bounded(call, self.cfg.engine_timeout_s)
-
-    async def _restart_stream(self) -> list[dict]:
-        """The STT replica lost the turn's stream: open it again (wherever its key routes now) and
-        replay the turn's audio so far; returns the replay's events. The partial transcript is
-        rebuilt from them. Any failure here loses the turn (EngineUnavailable)."""
-        log.warning("session %s: the recogniser does not know this turn's stream; restarting it", self.id)
-        self.heard.partial = ""
-        try:
-            await self._engine(self.backends.stt_open(self.id))
-            return await self._engine(self.backends.stt_push(self.id, self.heard.joined_audio()))
-        except (NoFreeSlot, UnknownStream) as exc:
-            raise EngineUnavailable(f"restarting the turn's stream failed: {exc}") from None
+        await self.recogniser.begin()
 
     async def _recognise(self, pcm: np.ndarray) -> None:
+        """Audio of the open turn to the recogniser; its partials go out (and may barge in by
+        words), its endpoint ends the turn."""
         heard = self.heard
-        heard.audio.append(pcm)
-        heard.samples += len(pcm)
-        if not heard.loud:
-            rms = float(np.sqrt(np.mean(np.square(pcm.astype(np.float32) / 32768.0))))
-            heard.loud = rms >= self.cfg.barge_in_min_rms
-        try:
-            try:
-                events = await self._engine(self.backends.stt_push(self.id, pcm))
-            except UnknownStream:
-                events = await self._restart_stream()
-        except EngineUnavailable as exc:
-            await self._lose_slot(E_ENGINE_UNAVAILABLE, f"the recogniser failed mid-turn ({exc}); this turn's "
-                                  "audio so far is lost (the session stays open; speak again)")
-            return
-        for ev in events:
+        for ev in await self.recogniser.push(pcm):
             if ev["kind"] == "partial" and ev["text"]:
                 heard.partial += ev["text"]
                 if heard.partial.strip() and self._should_barge_in():
@@ -434,7 +327,7 @@ class Conversation:
             respond = self.reply_on_turn_end
         heard = self.heard
         if heard.open and not heard.holds_slot:
-            self.heard = UserTurn()  # refused: nothing was heard, so nothing is sent and no number is used
+            self.recogniser.drop()  # refused: nothing was heard, so nothing is sent and no number is used
             if typed_text is None:
                 return None
         if typed_text is not None and self.heard.open:
@@ -447,16 +340,16 @@ class Conversation:
             text = typed_text
         elif heard.open:
             try:
-                text, words = await self._finish_stream()  # gives the slot back
+                text, words = await self.recogniser.finish()  # gives the slot back
             except EngineUnavailable as exc:
-                self.heard = UserTurn()  # nothing to answer: no turn number is used
+                self.recogniser.drop()  # nothing to answer: no turn number is used
                 await self.error(E_ENGINE_UNAVAILABLE, f"the recogniser did not finish this turn ({exc}); "
                                  "its audio is lost (the session stays open; speak again)")
                 return None
             user_audio = heard.joined_audio() if heard.audio else None
         else:
             text = ""
-        self.heard = UserTurn()
+        self.recogniser.drop()
         self._ended_by_server = (self.cfg.turn_detection == "vad" and typed_text is None
                                  and by in ("smart_turn", "silence", "endpoint", "max_turn"))
         self.turn += 1
@@ -474,22 +367,9 @@ class Conversation:
             await self._start_reply(ended_at, overrides or {}, answers=item.text)
         return item
 
-    async def _finish_stream(self) -> tuple[str, list[dict]]:
-        try:
-            try:
-                result = await self._engine(self.backends.stt_finish(self.id))
-            except UnknownStream:
-                await self._restart_stream()
-                result = await self._engine(self.backends.stt_finish(self.id))
-        except (EngineUnavailable, UnknownStream) as exc:
-            self.heard.holds_slot = False  # the replica is gone or lost the stream; close() has nothing to free
-            raise EngineUnavailable(str(exc)) from None
-        self.heard.holds_slot = False
-        return result
-
     async def _encode_user_turn(self, text: str, pcm: np.ndarray) -> None:
         try:
-            codes = await self._engine(self.backends.tts_encode(pcm))
+            codes = await bounded(self.backends.tts_encode(pcm), self.cfg.engine_timeout_s)
         except EngineUnavailable as exc:
             log.warning("session %s: encoding user audio: %s", self.id, exc)
             return
