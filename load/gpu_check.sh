@@ -10,6 +10,8 @@
 #   tts                load.bench_tts_batch: TTS frame step at batch widths 1/8/32 (TTFA, RTF)
 #   stall              load.repro_stall: the turn-boundary stall on CUDA, one change per row (the agent's
 #                      settings; cudnn.benchmark off; length buckets; both), 3 repeats, a process per row
+#   tools              load.bench_tools: a forced tool call on the full-shape LLM, with and without its
+#                      llguidance constraint (ms per token, ms to the first argument token)
 #   serve              serve_config.gpu.yaml with `profile: full` (random weights at real shapes, auth on
 #                      with a throw-away token): a 20-turn gap test, then a load test at N = 8/16/32
 # Output: $OUT_DIR (default out/gpu_check): one log per step, and summary.json with each step's exit
@@ -39,12 +41,14 @@ if [ $DRY = 1 ]; then
   STT64="--streams 4 --batch 4"; STT256="--streams 8 --batch 8"
   TTS="--profile tiny --device cpu --widths 1,2 --frames 8 --rounds 1"
   STALL="--mimi tiny --no-gpu --seconds 1.37 --buckets 25 --backend aot_eager --repeats 1"
+  TOOLS="--profile tiny --device cpu --rounds 1 --calls 4 --result-turns 1"
   GAP_TURNS=3; LOAD_LEVELS=1,2; LOAD_S=8; BASE_CONFIG=serve_config.yaml; PROFILE=tiny
 else
   STT="--size full --device cuda --dtype bfloat16 --rounds 5"
   STT64="--streams 64 --batch 64"; STT256="--streams 256 --batch 256"
   TTS="--profile full --device cuda --widths 1,8,32 --frames 40 --rounds 3"
   STALL="--mimi full --no-cpu --seconds 1.37 2.71 --buckets 25 50 --repeats 3"
+  TOOLS="--profile full --device cuda --rounds 3 --calls 8"
   GAP_TURNS=20; LOAD_LEVELS=8,16,32; LOAD_S=20; BASE_CONFIG=serve_config.gpu.yaml; PROFILE=full
 fi
 
@@ -56,6 +60,8 @@ step stt_b256 90 $PY -m load.bench_stt $STT $STT256
 step tts 60 $PY -m load.bench_tts_batch $TTS
 # shellcheck disable=SC2086
 step stall 200 $PY -m load.repro_stall $STALL
+# shellcheck disable=SC2086
+step tools 60 $PY -m load.bench_tools $TOOLS
 
 # The app: the chosen config with the chosen profile, auth on, limits wide enough for one load host.
 TOKEN=$($PY -c 'import secrets; print(secrets.token_urlsafe(32))')

@@ -89,6 +89,17 @@ def test_forced_calls_always_validate(llm):
     assert len({args for _, args in calls}) > 4  # sampled: not one canned answer per tool
 
 
+def test_unbounded_values_still_end_within_the_budget(llm):
+    """A number of any precision and a string of any length: a random model never stops writing
+    digits or letters by itself, so a forced call winds down (only closing tokens, where the grammar
+    allows one) after half its token budget: every call still ends, valid, within the budget."""
+    tools = [{"type": "function", "name": "note", "parameters": {
+        "type": "object", "required": ["value", "text"],
+        "properties": {"value": {"type": "number"}, "text": {"type": "string"}}}}]
+    calls = _forced_calls(llm, tools, n=8)
+    assert [_valid(tool, args) for tool, args in calls] == [True] * 8
+
+
 def test_without_the_constraint_the_calls_do_not_validate(llm, monkeypatch):
     """Control: the same 20 forced calls with the constraint switched off (mask and grammar state
     do nothing) mostly fail: the validation above can fail, and the constraint is what passes it."""

@@ -13,16 +13,26 @@ from __future__ import annotations
 
 import llguidance
 import llguidance.numpy as llg_numpy
+import numpy as np
 
 
 class CallConstraint:
-    """One stream's grammar state: :meth:`mask` before sampling, :meth:`accept` after."""
+    """One stream's grammar state: :meth:`mask` before sampling, :meth:`accept` after.
 
-    def __init__(self, tokenizer: "llguidance.LLTokenizer", grammar: str):
+    The grammar makes every *finished* call valid; it cannot make a call finish. A number may have
+    as many digits as a model likes, a string without ``maxLength`` as many characters, and a call
+    cut off by its token budget is no call at all. So once a call has taken ``wind_down_after``
+    tokens, where the grammar allows a token that only closes something (``closers``: ``}``, ``]``,
+    ``"``), only those are allowed: a runaway value ends, and the call with it, still valid."""
+
+    def __init__(self, tokenizer: "llguidance.LLTokenizer", grammar: str, closers: np.ndarray | None = None,
+                 wind_down_after: int | None = None):
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
             raise ValueError(f"tool call grammar: {self.matcher.get_error()}")
         self._bitmask = llg_numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
+        self._closers, self._wind_down_after = closers, wind_down_after
+        self.steps = 0  # tokens accepted so far
 
     @property
     def finished(self) -> bool:
@@ -32,6 +42,10 @@ class CallConstraint:
     def mask(self, logits) -> None:
         """Tokens the grammar does not allow next get -inf (``logits``: the step's [vocab] tensor)."""
         llg_numpy.fill_next_token_bitmask(self.matcher, self._bitmask)
+        if self._closers is not None and self._wind_down_after is not None and self.steps >= self._wind_down_after:
+            closing = self._bitmask & self._closers
+            if closing.any():
+                self._bitmask[:] = closing
         if logits.device.type == "cpu":
             llg_numpy.apply_token_bitmask_inplace(logits.numpy()[None], self._bitmask)
         else:
@@ -42,8 +56,22 @@ class CallConstraint:
             llg_torch.apply_token_bitmask_inplace(logits[None], mask)
 
     def accept(self, token_id: int) -> None:
+        self.steps += 1
         if not self.matcher.consume_token(token_id):
             raise RuntimeError(f"the sampled token {token_id} broke the tool call grammar: {self.matcher.get_error()}")
+
+
+def closing_tokens(hf_tokenizer, vocab_size: int) -> np.ndarray:
+    """The bitmask (llguidance's layout) of the tokens whose text only closes JSON values: ``}``,
+    ``]`` and ``"``, with whitespace (one pass over the vocabulary: build it once)."""
+    mask = llg_numpy.allocate_token_bitmask(1, vocab_size)
+    mask[:] = 0
+    bits = mask.view(np.uint32)
+    for token_id in range(min(len(hf_tokenizer), vocab_size)):
+        text = hf_tokenizer.decode([token_id]).strip()
+        if text and set(text) <= set('}]"'):
+            bits[0, token_id // 32] |= np.uint32(1 << (token_id % 32))
+    return mask
 
 
 def tokenizer_for(hf_tokenizer, vocab_size: int) -> "llguidance.LLTokenizer":

@@ -268,6 +268,7 @@ class LLMEngine:
         self._count_lock = threading.Lock()
         self._streams_started = 0
         self._lltokenizer = None  # llguidance's tokenizer, for forced tool calls
+        self._closers = None  # the tokens that only close JSON values (pipeline.llm.constraint)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -301,9 +302,10 @@ class LLMEngine:
     def _call_tokenizer(self):
         """llguidance's tokenizer, built once (on the inference thread: warm-up builds it)."""
         if self._lltokenizer is None:
-            from pipeline.llm.constraint import tokenizer_for
+            from pipeline.llm.constraint import closing_tokens, tokenizer_for
 
             self._lltokenizer = tokenizer_for(self.tokenizer, self.vocab_size)
+            self._closers = closing_tokens(self.tokenizer, self.vocab_size)
         return self._lltokenizer
 
     def stream(
@@ -334,8 +336,9 @@ class LLMEngine:
             from pipeline.llm.constraint import CallConstraint
             from pipeline.llm.tool_calls import chosen_tools, forced_call_grammar
 
-            constraint = CallConstraint(self._call_tokenizer(), forced_call_grammar(chosen_tools(tools, tool_choice)))
             max_new = max(max_new, cfg.max_tool_call_tokens)  # a call cut short could not run
+            constraint = CallConstraint(self._call_tokenizer(), forced_call_grammar(chosen_tools(tools, tool_choice)),
+                                        self._closers, wind_down_after=max_new // 2)
         prompt_ids = self.prompt_ids(messages, max_new_tokens=max_new, tools=tools)
         max_new = min(max_new, cfg.max_context_tokens - len(prompt_ids))
         if seed is None:
