@@ -266,52 +266,46 @@ class Gateway:
             on_smart_turn=metrics.SMART_TURN.observe,
         )
 
-    async def _admitted(self, ws: WebSocket) -> tuple[Handshake, object] | None:
-        """The handshake checked before the upgrade (pipeline.admission): its admission, or None
-        once refused with an HTTP error instead of the upgrade."""
+    async def _serve_websocket(self, ws: WebSocket, serve) -> None:
+        """Check the handshake before the upgrade (pipeline.admission: refused, it gets an HTTP
+        error instead), accept it, and hand it to ``serve(handshake, connection)``; the client's
+        session place is given back however that ends."""
         hs = Handshake(dict(ws.headers), dict(ws.query_params), _address(ws.client))
         try:
-            return hs, self.gate.admit(hs)
+            admission = self.gate.admit(hs)
         except Refused as refused:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             await _deny(ws, refused)
-            return None
+            return
+        try:
+            await ws.accept()
+            await serve(hs, WebSocketConnection(ws))
+        finally:
+            admission.release()
 
     @api.websocket("/v1/conversation")
     async def conversation(self, ws: WebSocket) -> None:
         """Protocol v1 (docs/protocol.md). Admission, the receive loop, limits and clean-up of the
         session live in pipeline.connection (no Ray)."""
-        admitted = await self._admitted(ws)
-        if admitted is None:
-            return
-        hs, admission = admitted
-        try:
-            await ws.accept()
-            conn = WebSocketConnection(ws)
+        async def serve(hs: Handshake, conn: WebSocketConnection) -> None:
             try:
                 cfg = session_options(self.session_cfg, hs.session_query)
             except ValueError as exc:
                 await refuse_options(conn, str(exc))
                 return
             await serve_connection(conn, self.backends, cfg, self.sessions, voices=self.voices)
-        finally:
-            admission.release()
+
+        await self._serve_websocket(ws, serve)
 
     @api.websocket("/v1/realtime")
     async def realtime(self, ws: WebSocket) -> None:
         """The OpenAI Realtime protocol (docs/realtime.md) on the same conversation core, with the
         same admission and limits. ``?model=`` is echoed in the session; ``OpenAI-Beta:
         realtime=v1`` selects the beta event names."""
-        admitted = await self._admitted(ws)
-        if admitted is None:
-            return
-        hs, admission = admitted
-        try:
-            await ws.accept()
-            beta = "realtime=v1" in hs.headers.get("openai-beta", "")
-            await serve_connection(WebSocketConnection(ws), self.backends, self.session_cfg, self.sessions,
-                                   session_class=RealtimeSession, voices=self.voices,
-                                   model=hs.query.get("model") or "gapless", beta=beta)
-        finally:
-            admission.release()
+        async def serve(hs: Handshake, conn: WebSocketConnection) -> None:
+            await serve_connection(conn, self.backends, self.session_cfg, self.sessions, session_class=RealtimeSession,
+                                   voices=self.voices, model=hs.query.get("model") or "gapless",
+                                   beta="realtime=v1" in hs.headers.get("openai-beta", ""))
+
+        await self._serve_websocket(ws, serve)
 

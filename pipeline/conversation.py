@@ -576,3 +576,34 @@ class Conversation:
         if self.cfg.on_error:
             self.cfg.on_error(code)
         await self.events.error(code, message)
+
+
+class WireSession:
+    """What every wire adapter offers the connection (``pipeline.connection``) and delegates to its
+    conversation core: settings, deadlines, errors and closing. An adapter sets ``self.core``."""
+
+    core: Conversation
+
+    @property
+    def cfg(self) -> SessionConfig:
+        return self.core.cfg
+
+    @property
+    def closed(self) -> bool:
+        return self.core.closed
+
+    @property
+    def deadline_changed(self) -> asyncio.Event:
+        return self.core.deadline_changed
+
+    def next_deadline(self) -> float:
+        return self.core.next_deadline()
+
+    async def check_deadlines(self) -> bool:
+        return await self.core.check_deadlines()
+
+    async def send_error(self, code: str, message: str) -> None:
+        await self.core.error(code, message)
+
+    async def close(self) -> None:
+        await self.core.close()

@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline import protocol as P
 from pipeline.agent import DEFAULT_VOICE, MAX_VOICE_CLIP_S, BadSetting
-from pipeline.conversation import Conversation
+from pipeline.conversation import Conversation, WireSession
 from pipeline.calls import ToolResultError
 from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, ToolCall, UnknownStream
 from pipeline.history import Item
@@ -36,7 +36,7 @@ def _monotonic() -> float:
     return time.monotonic()  # looked up at each call: tests replace this module's ``time``
 
 
-class Session:
+class Session(WireSession):
     def __init__(
         self,
         send: Callable[[bytes], Awaitable[None]],
@@ -60,14 +60,6 @@ class Session:
 
     # What tests and tools read of the conversation
     @property
-    def cfg(self) -> SessionConfig:
-        return self.core.cfg
-
-    @property
-    def closed(self) -> bool:
-        return self.core.closed
-
-    @property
     def history(self) -> list[dict]:
         return self.core.history.messages()
 
@@ -84,28 +76,12 @@ class Session:
         """Greet the client. Nothing is taken from the engines until a spoken turn starts."""
         await self.send(P.session_ready(self.id))
 
-    async def close(self) -> None:
-        await self.core.close()
-
-    def next_deadline(self) -> float:
-        return self.core.next_deadline()
-
-    @property
-    def deadline_changed(self) -> asyncio.Event:
-        return self.core.deadline_changed
-
-    async def check_deadlines(self) -> bool:
-        return await self.core.check_deadlines()
-
     async def send(self, msg: dict) -> None:
         if self.core.closed and msg.get("type") != "error":
             return
         async with self._send_lock:
             await self._send_raw(P.pack(msg))
         self.core.touch()
-
-    async def send_error(self, code: str, message: str) -> None:
-        await self.core.error(code, message)
 
     @staticmethod
     def error_frame(code: str, message: str) -> bytes:

@@ -10,11 +10,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import jsonschema
-import numpy as np
 import pytest
 
 from pipeline import protocol as P
-from pipeline.audio import speech_like
 from pipeline.engines import LLMFinish, ToolCall
 from pipeline.llm import make_llm
 from pipeline.llm.config import LLMConfig
@@ -22,7 +20,6 @@ from pipeline.llm.constraint import CallConstraint
 from pipeline.llm.tool_calls import ToolCallParser
 from pipeline.runtime import InferenceThread
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService
-from pipeline.session import Session
 from pipeline.session_config import SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig

@@ -26,7 +26,7 @@ import numpy as np
 
 from pipeline.agent import DEFAULT_VOICE, MAX_VOICE_CLIP_S, MAX_VOICE_CLIP_TEXT, BadSetting
 from pipeline.audio_formats import ENGINE_INPUT_RATE, Decoder, Encoder
-from pipeline.conversation import Conversation
+from pipeline.conversation import Conversation, WireSession
 from pipeline.calls import ToolResultError
 from pipeline.engines import Backends, EngineUnavailable, ToolCall
 from pipeline.history import Item, UnknownItem, new_id
@@ -71,7 +71,7 @@ class _ReplyWire:
     max_output_tokens: Any
 
 
-class RealtimeSession:
+class RealtimeSession(WireSession):
     def __init__(self, send: Callable[[str], Awaitable[None]], backends: Backends, cfg: SessionConfig | None = None,
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
                  model: str = "gapless", beta: bool = False):
@@ -92,32 +92,8 @@ class RealtimeSession:
         self._client_event_id: str | None = None  # the event being handled (errors name it)
 
     # ------------------------------------------------------------------ connection interface
-    @property
-    def cfg(self) -> SessionConfig:
-        return self.core.cfg
-
-    @property
-    def closed(self) -> bool:
-        return self.core.closed
-
     async def start(self) -> None:
         await self.emit({"type": "session.created", "session": self.describe()})
-
-    async def close(self) -> None:
-        await self.core.close()
-
-    def next_deadline(self) -> float:
-        return self.core.next_deadline()
-
-    @property
-    def deadline_changed(self) -> asyncio.Event:
-        return self.core.deadline_changed
-
-    async def check_deadlines(self) -> bool:
-        return await self.core.check_deadlines()
-
-    async def send_error(self, code: str, message: str) -> None:
-        await self.core.error(code, message)
 
     @staticmethod
     def error_frame(code: str, message: str) -> str:
