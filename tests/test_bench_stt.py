@@ -28,4 +28,12 @@ def test_nemo_native_bf16_runs_on_its_own_bf16_copy(monkeypatch):
     row = bench_stt.report(args, bench, out)
     assert row["nemo_precision"].startswith("bf16 weights")
     assert all(len(t) > 3 for t in out["nemo"]["tokens"])  # NeMo in bf16 does recognise
-    assert row["token_similarity"] >= 0.9, row["token_similarity"]
+    # bf16 rounds differently in the two engines (their op order and batch shapes differ), and this
+    # tiny random-weight model emits only 4-14 tokens a clip, so one flipped token moves a clip's
+    # ratio by 0.1-0.2: measured here, ours in bf16 against ours in fp32 is 0.93, ours against NeMo
+    # in bf16 0.85-0.89 (and varies with the CPU's bf16 kernels). Transcripts of the same audio sit
+    # far above those of other clips (0.19-0.32: streams paired with the wrong clip).
+    nemo_toks = out["nemo"]["tokens"]
+    wrong_clip = bench_stt.similarity(out["ours"]["tokens"], nemo_toks[1:] + nemo_toks[:1])
+    assert row["token_similarity"] >= 0.75, row["token_similarity"]
+    assert row["token_similarity"] >= wrong_clip + 0.4, (row["token_similarity"], wrong_clip)
