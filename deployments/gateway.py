@@ -29,7 +29,7 @@ from pipeline.engines import USER_RATE, Backends, EngineUnavailable, LLMFinish, 
 from pipeline.session_config import SessionConfig
 from pipeline.tts.prompt import Segment
 
-api = FastAPI(title="gapless", docs_url=None, redoc_url=None)
+api = FastAPI(title="gapless", docs_url=None, redoc_url=None, openapi_url=None)
 log = logging.getLogger(__name__)
 
 # The browser client (web/): plain files, no build step. Its scripts come from this origin only.
@@ -41,6 +41,24 @@ PAGE_HEADERS = {
     "Referrer-Policy": "no-referrer",
 }
 api.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
+
+
+@api.middleware("http")
+async def _door(request: Request, call_next):
+    """Every HTTP route: a ``Host`` that is not one of this server's names is refused (403
+    host_not_allowed; WebSocket handshakes are checked in admission), and the web client's files
+    carry the page's security headers."""
+    gate = getattr(request.app.state, "gate", None)
+    if gate is not None:
+        try:
+            gate.check_host(dict(request.headers))
+        except Refused as refused:
+            metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
+            return _refusal_response(refused)
+    response = await call_next(request)
+    if request.url.path.startswith("/web/"):
+        response.headers.update(PAGE_HEADERS)
+    return response
 
 # What Ray raises when the replica serving a call is gone or cannot be reached: the session
 # tells its client engine_unavailable (and carries on), never internal.
@@ -149,11 +167,6 @@ class RayBackends(Backends):
         return await self.tts.encode.remote(pcm, rate)
 
 
-def _address(client) -> str:
-    """The peer's address as this server sees it (behind a reverse proxy: the proxy's)."""
-    return client.host if client is not None else "unknown"
-
-
 def _refusal_response(refused: Refused) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else {}
     return JSONResponse(refused.body(), status_code=refused.status, headers=headers)
@@ -178,7 +191,7 @@ class Gateway:
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
         self.session_cfg = self._session_config(dict(session))
         for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT, P.E_SERVER_BUSY, P.E_IDLE_TIMEOUT, P.E_TURN_TOO_LONG,
-                     P.E_ENGINE_UNAVAILABLE):
+                     P.E_ENGINE_UNAVAILABLE, P.E_AUDIO_TOO_FAST):
             metrics.ERRORS.labels(code=code).inc(0)
         for by in ("smart_turn", "silence", "turn_end", "typed", "endpoint", "max_turn"):
             metrics.TURN_ENDS.labels(by=by).inc(0)
@@ -190,8 +203,10 @@ class Gateway:
         self.gate = Gatekeeper(Authenticator(auth_cfg, load_tokens(auth_cfg)),
                                ClientLimits(self.session_cfg.max_sessions_per_client,
                                             self.session_cfg.handshakes_per_minute))
-        for code in ("unauthorized", "origin_not_allowed", "too_many_handshakes", "too_many_sessions"):
+        for code in ("unauthorized", "origin_not_allowed", "host_not_allowed", "too_many_handshakes",
+                     "too_many_sessions"):
             metrics.HANDSHAKES_REFUSED.labels(code=code).inc(0)
+        api.state.gate = self.gate  # the HTTP routes' Host check (_door)
         if auth_cfg.mode == "none":
             log.warning("auth mode none: anyone who can reach this server's port can open sessions")
         # The turn-taking models load here, before the replica is ready, not on a first caller.
@@ -246,7 +261,7 @@ class Gateway:
     async def ticket(self, request: Request):
         """A single-use ticket for a browser's WebSocket handshake, for a bearer token
         (docs/protocol.md, "Authentication and limits")."""
-        hs = Handshake(dict(request.headers), {}, _address(request.client))
+        hs = Handshake(dict(request.headers), {}, self.gate.auth.address_of(request))
         try:
             return JSONResponse(self.gate.issue_ticket(hs), headers={"Cache-Control": "no-store"})
         except Refused as refused:
@@ -270,7 +285,7 @@ class Gateway:
         """Check the handshake before the upgrade (pipeline.admission: refused, it gets an HTTP
         error instead), accept it, and hand it to ``serve(handshake, connection)``; the client's
         session place is given back however that ends."""
-        hs = Handshake(dict(ws.headers), dict(ws.query_params), _address(ws.client))
+        hs = Handshake(dict(ws.headers), dict(ws.query_params), self.gate.auth.address_of(ws))
         try:
             admission = self.gate.admit(hs)
         except Refused as refused:

@@ -1,7 +1,10 @@
 """The gateway's door: every handshake is checked here before the WebSocket is accepted.
 
-In order: the client's handshake rate, the ``Origin``, the credentials (``pipeline.auth``),
-then the client's concurrent sessions. A refusal is an HTTP status with a stable code, sent
+In order: the ``Host`` (one of this server's names, which defeats DNS rebinding), the ``Origin``,
+the client's failed attempts, the credentials (``pipeline.auth``), then, counted only for
+handshakes with good credentials, the client's handshake rate and concurrent sessions. Failed
+attempts are counted apart, so an anonymous flood (from any number of addresses) never costs a
+token holder anything. A refusal is an HTTP status with a stable code, sent
 instead of the upgrade: nothing (no session, no recogniser slot) exists for it yet. An admitted
 handshake holds one of its client's session places until ``release()``.
 """
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.auth import TICKET_PARAM, AuthError, Authenticator, origin_allowed
+from pipeline.auth import TICKET_PARAM, AuthError, Authenticator, host_allowed, origin_allowed
 from pipeline.client_limits import ClientLimits, LimitExceeded
 
 # Refusal codes (docs/protocol.md, "Authentication and limits") and their HTTP statuses.
@@ -17,7 +20,8 @@ E_UNAUTHORIZED = "unauthorized"
 E_ORIGIN_NOT_ALLOWED = "origin_not_allowed"
 E_TOO_MANY_HANDSHAKES = "too_many_handshakes"
 E_TOO_MANY_SESSIONS = "too_many_sessions"
-STATUS = {E_UNAUTHORIZED: 401, E_ORIGIN_NOT_ALLOWED: 403, E_TOO_MANY_HANDSHAKES: 429,
+E_HOST_NOT_ALLOWED = "host_not_allowed"
+STATUS = {E_UNAUTHORIZED: 401, E_ORIGIN_NOT_ALLOWED: 403, E_HOST_NOT_ALLOWED: 403, E_TOO_MANY_HANDSHAKES: 429,
           E_TOO_MANY_SESSIONS: 429, "server_busy": 503}
 
 
@@ -58,18 +62,18 @@ class Admission:
 
 
 class Gatekeeper:
-    def __init__(self, auth: Authenticator, limits: ClientLimits):
+    def __init__(self, auth: Authenticator, limits: ClientLimits, failures: ClientLimits | None = None):
         self.auth = auth
-        self.limits = limits
+        self.limits = limits  # handshakes with good credentials, and sessions, per address
+        # handshakes refused for their credentials, per address (the same rate)
+        self.failures = failures or ClientLimits(1, limits.per_minute, max_clients=limits.max_clients)
 
     def admit(self, hs: Handshake) -> Admission:
         """Admit a conversation handshake, or raise Refused."""
-        self._count_handshake(hs.address)
+        self._check_host(hs)
         self._check_origin(hs)
-        try:
-            self.auth.check(hs.headers, hs.query)
-        except AuthError as exc:
-            raise Refused(E_UNAUTHORIZED, str(exc)) from None
+        self._check_credentials(hs, lambda: self.auth.check(hs.headers, hs.query))
+        self._count_handshake(hs.address)
         try:
             self.limits.open_session(hs.address)
         except LimitExceeded as exc:
@@ -78,12 +82,10 @@ class Gatekeeper:
 
     def issue_ticket(self, hs: Handshake) -> dict:
         """``POST /v1/session``: a single-use ticket for a browser's WebSocket handshake."""
-        self._count_handshake(hs.address)
+        self._check_host(hs)
         self._check_origin(hs)
-        try:
-            self.auth.require_token(hs.headers)
-        except AuthError as exc:
-            raise Refused(E_UNAUTHORIZED, str(exc)) from None
+        self._check_credentials(hs, lambda: self.auth.require_token(hs.headers))
+        self._count_handshake(hs.address)
         ticket, ttl = self.auth.issue()
         return {"ticket": ticket, "expires_in_s": ttl, "auth": self.auth.cfg.mode,
                 "url": f"/v1/conversation?{TICKET_PARAM}={ticket}"}
@@ -94,6 +96,32 @@ class Gatekeeper:
                 self.auth.require_token(headers)
             except AuthError as exc:
                 raise Refused(E_UNAUTHORIZED, str(exc)) from None
+
+    def check_host(self, headers: dict[str, str]) -> None:
+        """Every route: the ``Host`` must be one of this server's names (auth.allowed_hosts, and
+        loopback); a page on another name that resolves here (DNS rebinding) is refused."""
+        if not host_allowed(headers.get("host"), self.auth.cfg.allowed_hosts):
+            raise Refused(E_HOST_NOT_ALLOWED, f"host {headers.get('host')!r} is not one of this server's names "
+                                              "(auth.allowed_hosts)")
+
+    def _check_host(self, hs: Handshake) -> None:
+        self.check_host(hs.headers)
+
+    def _check_credentials(self, hs: Handshake, check) -> None:
+        """Run ``check`` (raises AuthError); a refusal counts against the address's failed attempts,
+        and an address past its rate of them is refused before its credentials are looked at."""
+        try:
+            self.failures.check_rate(hs.address)
+        except LimitExceeded as exc:
+            raise Refused(exc.code, str(exc)) from None
+        try:
+            check()
+        except AuthError as exc:
+            try:
+                self.failures.handshake(hs.address)
+            except LimitExceeded:
+                pass  # this refusal is the one that reached the rate; the next is refused above
+            raise Refused(E_UNAUTHORIZED, str(exc)) from None
 
     def _check_origin(self, hs: Handshake) -> None:
         if not origin_allowed(hs.headers.get("origin"), hs.headers.get("host"), self.auth.cfg.allowed_origins):

@@ -3,12 +3,15 @@
 A client is its network address as the gateway sees it. Both limits are checked before a
 WebSocket is accepted, so a client over them costs nothing but the refusal, and one client's
 limits never touch another's. Memory is bounded: an address is remembered only while it holds
-sessions or has handshakes inside the last minute, and at most ``max_clients`` addresses at once.
+sessions or has handshakes inside the last minute, and at most ``max_clients`` addresses at once:
+a new address past that forgets the least recently seen address that holds no session (its
+handshake count starts again), in constant time, so a flood of new addresses never refuses or
+slows anyone else.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,12 +41,21 @@ class ClientLimits:
         self.per_minute = handshakes_per_minute
         self.max_clients = max_clients
         self.clock = clock
-        self._clients: dict[str, _Client] = {}
+        self._clients: OrderedDict[str, _Client] = OrderedDict()  # least recently seen first
 
     def handshake(self, address: str) -> None:
         """Count one handshake (or ticket request) of ``address``; LimitExceeded over the rate."""
         now = self.clock()
-        client = self._client(address, now)
+        self.check_rate(address)
+        self._client(address, now).handshakes.append(now)
+
+    def check_rate(self, address: str) -> None:
+        """LimitExceeded if ``address`` has used its handshakes of the last minute (counts nothing,
+        remembers nothing new)."""
+        client = self._clients.get(address)
+        if client is None:
+            return
+        now = self.clock()
         while client.handshakes and client.handshakes[0] <= now - WINDOW_S:
             client.handshakes.popleft()
         if len(client.handshakes) >= self.per_minute:
@@ -51,7 +63,6 @@ class ClientLimits:
             raise LimitExceeded("too_many_handshakes",
                                 f"more than {self.per_minute} connection attempts a minute from this address; "
                                 f"try again in {wait:.0f} s")
-        client.handshakes.append(now)
 
     def open_session(self, address: str) -> None:
         """Take one of ``address``'s session places; LimitExceeded when it holds them all."""
@@ -76,17 +87,19 @@ class ClientLimits:
 
     def _client(self, address: str, now: float) -> _Client:
         client = self._clients.get(address)
-        if client is None:
-            if len(self._clients) >= self.max_clients:
-                self._forget_idle(now)
-            if len(self._clients) >= self.max_clients:
-                raise LimitExceeded("server_busy", "this server is tracking its maximum number of clients; "
-                                                   "try again later")
-            client = self._clients[address] = _Client()
+        if client is not None:
+            self._clients.move_to_end(address)
+            return client
+        if len(self._clients) >= self.max_clients:
+            self._forget_one()
+        client = self._clients[address] = _Client()
         return client
 
-    def _forget_idle(self, now: float) -> None:
-        """Drop addresses that hold no session and no handshake inside the window."""
-        for address, c in list(self._clients.items()):
-            if c.sessions == 0 and (not c.handshakes or c.handshakes[-1] <= now - WINDOW_S):
+    def _forget_one(self) -> None:
+        """Forget the least recently seen address that holds no session. Addresses holding
+        sessions are passed over: at most the replica's sessions, so this stays short."""
+        for address, c in self._clients.items():
+            if c.sessions == 0:
                 del self._clients[address]
+                return
+        raise LimitExceeded("server_busy", "every client this server tracks holds a session; try again later")

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from pipeline.admission import Gatekeeper, Handshake, Refused
-from pipeline.auth import AuthConfig, AuthError, Authenticator, bearer, load_tokens, origin_allowed
+from pipeline.auth import AuthConfig, AuthError, Authenticator, bearer, host_allowed, load_tokens, origin_allowed
 from pipeline.client_limits import ClientLimits, LimitExceeded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +26,7 @@ class Clock:
 
 
 def auth(tokens=(TOKEN,), clock=None, **cfg) -> Authenticator:
+    cfg.setdefault("allowed_hosts", ("h",))  # the gate tests' server is "h"
     return Authenticator(AuthConfig(**cfg), tuple(tokens), clock=clock or Clock())
 
 
@@ -107,9 +108,12 @@ def test_a_ticket_expires():
 def test_a_forged_or_foreign_ticket_is_refused():
     a = auth()
     ticket = a.issue()[0]
-    expiry, nonce, sig = ticket.split(".")
-    for bad in (f"{int(expiry) + 3600}.{nonce}.{sig}", f"{expiry}.{nonce}x.{sig}", f"{expiry}.{nonce}.{sig[:-1]}0",
-                "garbage", "", f"{expiry}..{sig}"):
+    issued, expiry, nonce, sig = ticket.split(".")
+    other_sig = sig[:-1] + ("1" if sig.endswith("0") else "0")  # always a different signature
+    for bad in (f"{issued}.{int(expiry) + 3600_000}.{nonce}.{sig}", f"{int(issued) - 1}.{expiry}.{nonce}.{sig}",
+                f"{issued}.{expiry}.{nonce}x.{sig}", f"{issued}.{expiry}.{nonce}.{other_sig}",
+                f"{expiry}.{nonce}.{sig}",  # the old three-part form
+                "garbage", "", f"{issued}.{expiry}..{sig}", f"{issued}.{expiry}.{nonce}.{sig}.x"):
         with pytest.raises(AuthError, match="not valid"):
             a.redeem(bad)
     with pytest.raises(AuthError, match="not valid"):  # signed with another server's tokens
@@ -127,10 +131,10 @@ def test_redeemed_tickets_are_forgotten_once_expired():
     a = auth(clock=clock, ticket_ttl_s=10)
     for _ in range(50):
         a.redeem(a.issue()[0])
-    assert len(a._redeemed) == 50
+    assert len(a.redeemed) == 50
     clock.t += 11
     a.redeem(a.issue()[0])
-    assert len(a._redeemed) == 1
+    assert len(a.redeemed) == 1
 
 
 # ------------------------------------------------------------------ origins
@@ -180,17 +184,22 @@ def test_handshakes_per_minute_slide_per_address():
         limits.handshake("a")
 
 
-def test_remembered_clients_are_bounded():
+def test_remembered_clients_are_bounded_and_a_new_one_is_never_refused():
     clock = Clock(0.0)
-    limits = ClientLimits(max_sessions_per_client=1, handshakes_per_minute=5, max_clients=3, clock=clock)
-    for addr in "abc":
-        limits.handshake(addr)
+    limits = ClientLimits(max_sessions_per_client=1, handshakes_per_minute=2, max_clients=3, clock=clock)
+    limits.handshake("a")
     limits.open_session("a")
-    with pytest.raises(LimitExceeded, match="maximum number of clients"):
-        limits.handshake("d")  # all three are within the minute
-    clock.t = 61
-    limits.handshake("d")  # b and c were forgotten; a still holds a session
-    assert len(limits) == 2 and limits.sessions("a") == 1
+    for addr in "bc":
+        limits.handshake(addr)
+    limits.handshake("b")  # b at its rate, and now the most recently seen
+    limits.handshake("d")  # all three within the minute: the least recently seen idle one (c) goes
+    assert len(limits) == 3 and limits.sessions("a") == 1
+    with pytest.raises(LimitExceeded):
+        limits.handshake("b")  # b is still remembered at its rate
+    limits.handshake("c")  # c was forgotten: it starts again
+    limits.handshake("e")  # forgets b (a holds a session and is passed over)
+    limits.handshake("b")
+    assert limits.sessions("a") == 1 and len(limits) == 3
 
 
 # ------------------------------------------------------------------ the gate, in order
@@ -223,9 +232,9 @@ def test_gate_refusals_and_their_statuses():
         g.admit(Handshake({"host": "h:1"}, {}, "a"))
     assert (exc.value.status, exc.value.code) == (401, "unauthorized")
     assert g.limits.sessions("a") == 0  # refused handshakes hold nothing
-    for _ in range(2):  # the third and fourth attempts
+    for _ in range(4):  # refused attempts are not counted against admitted ones
         g.admit(Handshake(good, {}, "a")).release()
-    with pytest.raises(Refused) as exc:  # the fifth attempt within the minute, good or not
+    with pytest.raises(Refused) as exc:  # the fifth admitted attempt within the minute
         g.admit(Handshake(good, {}, "a"))
     assert (exc.value.status, exc.value.code) == (429, "too_many_handshakes")
     assert exc.value.body()["type"] == "error"
@@ -285,3 +294,59 @@ def test_the_tiny_config_is_open_on_loopback_only(monkeypatch):
     assert host == "127.0.0.1" and args["auth"] == {"mode": "none"}
     monkeypatch.delenv("GAPLESS_TOKENS", raising=False)
     configs(AppArgs(**args))
+
+
+# ------------------------------------------------------------------ the door's hardening (issue 25)
+def test_an_anonymous_flood_never_costs_a_token_holder():
+    """10 000 handshakes without credentials from distinct addresses, each refused 401: a token
+    holder, from a new address or from one of theirs, is still admitted (failed attempts are
+    counted apart from admitted handshakes, and a full table forgets, it never refuses)."""
+    g = gate(per_client=1, per_minute=5)
+    for i in range(10_000):
+        with pytest.raises(Refused) as exc:
+            g.admit(Handshake({"host": "h:1"}, {}, f"127.{i // 65536}.{i // 256 % 256}.{i % 256}"))
+        assert exc.value.status == 401
+    good = {"authorization": f"Bearer {TOKEN}", "host": "h:1"}
+    g.admit(Handshake(good, {}, "10.9.9.9")).release()
+    g.admit(Handshake(good, {}, "127.0.0.7")).release()  # an address that also failed once
+
+
+def test_failed_attempts_are_rate_limited_per_address():
+    g = gate(per_minute=3)
+    for _ in range(3):
+        with pytest.raises(Refused) as exc:
+            g.admit(Handshake({"host": "h:1", "authorization": "Bearer wrong-wrong-wrong-wrong"}, {}, "a"))
+        assert exc.value.code == "unauthorized"
+    with pytest.raises(Refused) as exc:  # the fourth failure within the minute is not even checked
+        g.admit(Handshake({"host": "h:1", "authorization": f"Bearer {TOKEN}"}, {}, "a"))
+    assert (exc.value.status, exc.value.code) == (429, "too_many_handshakes")
+    g.admit(Handshake({"host": "h:1", "authorization": f"Bearer {TOKEN}"}, {}, "b")).release()
+
+
+@pytest.mark.parametrize("host, allowed, ok", [
+    ("localhost:8000", (), True), ("127.0.0.1:8000", (), True), ("[::1]:8000", (), True), ("127.3.4.5", (), True),
+    ("rebound.example:8000", (), False),  # a page whose name now resolves to this server
+    ("127.evil.example", (), False), ("http://[", (), False), ("", (), False),
+    ("Voice.Example.com:443", ("voice.example.com",), True), ("a.voice.example.com", ("*.voice.example.com",), True),
+    ("voice.example.com.evil", ("voice.example.com",), False), ("anything", ("*",), True),
+])
+def test_host(host, allowed, ok):
+    assert host_allowed(host, allowed) is ok
+
+
+def test_a_rebinding_host_is_refused_even_with_its_own_origin():
+    """mode none: a page on rebound.example (resolving to 127.0.0.1) sends Origin and Host of its
+    own name, which "own origin" alone would let in."""
+    g = gate(tokens=(), mode="none", allowed_hosts=())
+    with pytest.raises(Refused) as exc:
+        g.admit(Handshake({"host": "rebound.example:8000", "origin": "http://rebound.example:8000"}, {}, "a"))
+    assert (exc.value.status, exc.value.code) == (403, "host_not_allowed")
+    g.admit(Handshake({"host": "127.0.0.1:8000", "origin": "http://127.0.0.1:8000"}, {}, "a")).release()
+
+
+@pytest.mark.parametrize("origin", ["http://[", "http://h:99999", "http://h:port"])
+def test_a_malformed_origin_is_refused_with_403(origin):
+    assert origin_allowed(origin, "h:1", ()) is False
+    with pytest.raises(Refused) as exc:
+        gate().admit(Handshake({"host": "h:1", "origin": origin, "authorization": f"Bearer {TOKEN}"}, {}, "a"))
+    assert (exc.value.status, exc.value.code) == (403, "origin_not_allowed")
