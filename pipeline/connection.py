@@ -16,15 +16,11 @@ import time
 from typing import Any, Callable, Protocol
 
 from pipeline import protocol as P
-from pipeline.engines import Backends
+from pipeline.engines import Backends, ClientGone
 from pipeline.session import Session
 from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The client left while the server was sending to it: the end of the session, not a fault."""
 
 
 class Connection(Protocol):

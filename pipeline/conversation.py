@@ -36,6 +36,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from pipeline.agent import DEFAULT_VOICE, AgentSettings
+from pipeline.audio_allowance import AudioAllowance
 from pipeline.calls import CANCELLED as CALL_CANCELLED, TIMED_OUT, ToolCalls
 from pipeline.engines import Backends, EngineUnavailable, ToolCall, Voice, bounded
 from pipeline.hearing import E_ENGINE_UNAVAILABLE, INPUT_RATE, Recogniser, UserTurn
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 # Error codes the core raises (protocol adapters map them onto their wire's errors).
 E_TURN_TOO_LONG = "turn_too_long"
+E_AUDIO_TOO_FAST = "audio_too_fast"
 
 
 class ConversationEvents(Protocol):
@@ -91,7 +93,8 @@ class Conversation:
         self.eot_probabilities: list[float] = []  # Smart Turn's last verdicts (at most 100), for tests and tools
         self._max_turn_samples = max(1, int(self.cfg.max_turn_s * INPUT_RATE))
         self._last_activity_at = clock()  # last frame either way (the idle clock)
-        self.history = History()
+        self.allowance = AudioAllowance(self.cfg.max_audio_rate, self.cfg.audio_burst_s, clock)
+        self.history = History(max_chars=self.cfg.max_history_chars)
         self.context: list[Segment] = []  # CSM context, oldest first
         self._encoding: asyncio.Task | None = None  # the last user turn's audio joining the context
         self.reply: Reply | None = None
@@ -122,6 +125,7 @@ class Conversation:
         cfg = dataclasses.replace(self.cfg, **changes)
         self._hear_with(cfg)
         self.cfg = cfg
+        self.history.max_chars = cfg.max_history_chars  # applies from the next item added
 
     def update(self, changes: dict[str, Any]) -> AgentSettings:
         """Apply agent settings (raises pipeline.agent.BadSetting, changing nothing). A new voice
@@ -157,7 +161,14 @@ class Conversation:
     async def hear(self, pcm: np.ndarray) -> None:
         """One microphone frame (int16 16 kHz): the ears hear it first (speech events go out, speech
         over a reply barges in); then it goes to the open turn, or opens one (any audio in manual
-        mode, speech with its pre-roll in vad mode); then a pause may end the turn."""
+        mode, speech with its pre-roll in vad mode); then a pause may end the turn. Audio faster
+        than the allowance (``max_audio_rate`` times real time, sustained) is dropped, told once."""
+        if not self.allowance.take(len(pcm) / INPUT_RATE):
+            if not self.allowance.told:
+                self.allowance.told = True
+                await self.error(E_AUDIO_TOO_FAST, f"microphone audio is arriving faster than "
+                                 f"{self.cfg.max_audio_rate:g}x real time; frames are dropped until it slows down")
+            return
         if self.ears is None:
             await self._on_audio(pcm)
             return
@@ -231,7 +242,7 @@ class Conversation:
         if self.reply is not None and self.reply.item_id == item_id:
             await self._interrupt(send_done=True, reason="client_cancelled")
         item = self.history.get(item_id)
-        History.truncate(item, audio_end_ms)
+        self.history.truncate(item, audio_end_ms)
         return item
 
     def delete(self, item_id: str) -> Item:

@@ -33,6 +33,15 @@ class EngineUnavailable(Exception):
     """An engine did not answer within ``engine_timeout_s``, or the replica serving it is gone."""
 
 
+class EngineBusy(Exception):
+    """An engine has no room for another stream now (every TTS slot taken and its waiting line
+    full): the client hears ``server_busy``, the session carries on."""
+
+
+class ClientGone(Exception):
+    """The client left while the server was sending to it: the end of the session, not a fault."""
+
+
 class UnknownStream(Exception):
     """The STT replica that got a call holds no stream of that id (it was never opened there, or
     the replica that held it was replaced): never a silent loss, the session restarts the turn."""

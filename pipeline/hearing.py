@@ -62,6 +62,9 @@ class Recogniser:
                  clock: Callable[[], float], error: Callable[[str, str], Awaitable[None]]):
         self.backends, self.stream_id, self.settings, self.clock, self.error = backends, stream_id, settings, clock, error
         self.turn = UserTurn()
+        # A slot given up after a failed call (a push or open past engine_timeout_s), being closed
+        # on the replica without holding up the session; the next open waits for it (same stream id).
+        self._closing: asyncio.Task | None = None
 
     def drop(self) -> None:
         """The turn is over (ended, refused or lost): the next audio starts a new one."""
@@ -95,6 +98,7 @@ class Recogniser:
             except UnknownStream:
                 return await self._restart_stream()
         except EngineUnavailable as exc:
+            self._close_in_background()
             await self._lose_slot(E_ENGINE_UNAVAILABLE, f"the recogniser failed mid-turn ({exc}); this turn's "
                                   "audio so far is lost (the session stays open; speak again)")
             return []
@@ -102,6 +106,7 @@ class Recogniser:
     async def _take_slot(self) -> None:
         """Take an STT slot for the open turn. Refused, the client hears it once per turn, the
         turn's audio is dropped, and a later frame of it tries again (:meth:`retry`)."""
+        await self.wait_closed()
         self.turn.holds_slot = True  # set first: if this call is cancelled midway, close() still releases
         try:
             await self._engine(self.backends.stt_open(self.stream_id))
@@ -109,7 +114,8 @@ class Recogniser:
             await self._lose_slot(E_NO_FREE_SLOT, f"{exc}; this turn's audio is dropped until a slot frees "
                                   "(the session stays open: speak on, speak again later, or type)")
             return
-        except EngineUnavailable as exc:
+        except EngineUnavailable as exc:  # the open may still take the slot after we gave up on it
+            self._close_in_background()
             await self._lose_slot(E_ENGINE_UNAVAILABLE, f"the recogniser is unavailable ({exc}); this turn's "
                                   "audio is dropped until it answers (the session stays open)")
             return
@@ -120,8 +126,22 @@ class Recogniser:
         if self.turn.lose_audio(self.clock()):
             await self.error(code, message)
 
+    def _close_in_background(self) -> None:
+        """A call on the turn's stream failed (timed out, or its replica is gone): close the stream
+        on the replica at once, so its slot is free for others now, not at the replica's sweep."""
+        self.turn.holds_slot = False
+        if self._closing is None or self._closing.done():
+            self._closing = asyncio.create_task(self._close_stream(self.stream_id))
+
+    async def wait_closed(self) -> None:
+        """Wait for a background close of this stream id to have been answered (or given up)."""
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
+            self._closing = None
+
     async def release(self) -> None:
         """Give the open turn's slot back without a transcript (cleared, or the session closed)."""
+        await self.wait_closed()
         if not self.turn.holds_slot:
             return
         self.turn.holds_slot = False
@@ -153,7 +173,7 @@ class Recogniser:
                 await self._restart_stream()
                 result = await self._engine(self.backends.stt_finish(self.stream_id))
         except (EngineUnavailable, UnknownStream) as exc:
-            self.turn.holds_slot = False  # the replica is gone or lost the stream; close() has nothing to free
+            self._close_in_background()  # a stalled replica may still hold the slot
             raise EngineUnavailable(str(exc)) from None
         self.turn.holds_slot = False
         return result

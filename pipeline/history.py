@@ -4,11 +4,17 @@ The LLM reads the history as chat messages (:meth:`History.messages`). A client 
 where it likes, delete them, and truncate an assistant item to the audio it actually played
 (the Realtime protocol's ``conversation.item.*``); an assistant item remembers where each of its
 clauses began in its audio, and the TTS context segment made from its codes, for that.
-At most ``max_items`` are kept: the oldest go first (the LLM sees only its token budget anyway).
+The history is bounded as it grows (the LLM sees only its token budget anyway, and the whole
+history goes with every LLM call): once it holds more than ``max_chars`` characters, or more than
+``max_items`` items, the oldest whole user turns go, each with the replies, function calls and
+outputs that follow it; the latest user turn always stays. A call and its output leave together.
+A running total keeps that O(1) amortised per item added. A dropped item is unknown from then on
+(:class:`UnknownItem`), as if deleted.
 """
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,10 +63,20 @@ class UnknownItem(KeyError):
     """No item of that id (never added, deleted, or dropped as the oldest)."""
 
 
+def item_chars(item: Item) -> int:
+    """An item's size as the history counts it: its text, and a call's name and arguments."""
+    return len(item.text) + len(item.name or "") + len(item.arguments or "")
+
+
 class History:
-    def __init__(self, max_items: int = 1000):
+    def __init__(self, max_items: int = 1000, max_chars: int | None = None):
         self.items: list[Item] = []
         self.max_items = max_items
+        self.max_chars = max_chars  # None: no bound on the characters
+        self.chars = 0  # the items' sizes, as counted when each joined (item_chars)
+        self._sizes: dict[int, int] = {}  # id(item) -> its size as counted
+        self._users = 0  # user messages among the items
+        self._calls: Counter[str] = Counter()  # call_id -> its calls and outputs among the items
 
     def messages(self) -> list[dict]:
         """The items as chat messages (OpenAI's format): a function call joins the assistant
@@ -102,7 +118,8 @@ class History:
             self.items.insert(0, item)
         else:
             self.items.insert(self.items.index(self.get(after)) + 1, item)
-        del self.items[: -self.max_items]
+        self._count(item)
+        self._bound()
         return item
 
     def previous_id(self, item: Item) -> str | None:
@@ -112,10 +129,63 @@ class History:
     def delete(self, item_id: str) -> Item:
         item = self.get(item_id)
         self.items.remove(item)
+        self._uncount(item)
         return item
 
-    @staticmethod
-    def truncate(item: Item, audio_end_ms: float) -> None:
+    # -- the bound ------------------------------------------------------------------------------
+
+    def _count(self, item: Item) -> None:
+        size = self._sizes[id(item)] = item_chars(item)
+        self.chars += size
+        self._users += _is_user(item)
+        if item.call_id is not None:
+            self._calls[item.call_id] += 1
+
+    def _uncount(self, item: Item) -> None:
+        if id(item) not in self._sizes:
+            return
+        self.chars -= self._sizes.pop(id(item))
+        self._users -= _is_user(item)
+        if item.call_id is not None:
+            self._calls[item.call_id] -= 1
+            if not self._calls[item.call_id]:
+                del self._calls[item.call_id]
+
+    def _over(self) -> bool:
+        return len(self.items) > self.max_items or (self.max_chars is not None and self.chars > self.max_chars)
+
+    def _bound(self) -> None:
+        """Drop the oldest whole user turns while over a limit. Each item scanned here leaves, so
+        the cost is O(1) amortised per item added."""
+        while self._over():
+            # The oldest turn ends where the next user message begins (one exists when a user
+            # message other than the first item does): never the latest user turn.
+            if self._users - _is_user(self.items[0]) > 0:
+                cut = next(i for i in range(1, len(self.items)) if _is_user(self.items[i]))
+            elif len(self.items) > self.max_items:  # one user turn of too many items: its oldest go
+                cut = len(self.items) - self.max_items
+            else:
+                return  # the latest user turn alone is over max_chars: it stays
+            self._drop(cut)
+
+    def _drop(self, cut: int) -> None:
+        """Drop the first ``cut`` items, and any call or output elsewhere whose partner left
+        with them (a call never stays without its output, nor an output without its call)."""
+        gone = self.items[:cut]
+        del self.items[:cut]
+        for item in gone:
+            self._uncount(item)
+        orphans = {item.call_id for item in gone if item.call_id is not None and item.call_id in self._calls}
+        if orphans:  # only where a client put a call and its output in different turns
+            kept = []
+            for item in self.items:
+                if item.call_id in orphans:
+                    self._uncount(item)
+                else:
+                    kept.append(item)
+            self.items[:] = kept
+
+    def truncate(self, item: Item, audio_end_ms: float) -> None:
         """Keep only what ``item``'s first ``audio_end_ms`` of audio said: the clauses whose audio
         had begun by then, and the context codes of the frames played."""
         if item.role != "assistant" or not item.audio:
@@ -130,3 +200,10 @@ class History:
             frames = -(-cut // FRAME_SIZE)
             item.segment.codes = np.asarray(item.segment.codes)[:frames]
             item.segment.text = item.text
+        if id(item) in self._sizes:  # the running total follows the shorter text
+            self.chars += item_chars(item) - self._sizes[id(item)]
+            self._sizes[id(item)] = item_chars(item)
+
+
+def _is_user(item: Item) -> bool:
+    return item.role == "user" and item.kind == "message"

@@ -42,6 +42,7 @@ E_TURN_TOO_LONG = "turn_too_long"      # a spoken turn reached max_turn_s; it en
 E_IDLE_TIMEOUT = "idle_timeout"        # nothing sent either way for idle_timeout_s; the session is closed (1000)
 E_SERVER_BUSY = "server_busy"          # the gateway holds max_sessions sessions; refused before session.ready (1013)
 E_ENGINE_UNAVAILABLE = "engine_unavailable"  # a model replica failed or did not answer in time; the session stays open
+E_AUDIO_TOO_FAST = "audio_too_fast"    # microphone audio over max_audio_rate x real time, sustained: dropped, told once
 E_INTERNAL = "internal"                # a server fault while handling this session
 E_BAD_OPTION = "bad_option"            # a session option in the URL query is unknown or bad; closed (1008)
 E_BAD_SETTING = "bad_setting"          # a session.update / response setting is unknown or bad; nothing changes

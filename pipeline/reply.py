@@ -18,7 +18,8 @@ import numpy as np
 
 from pipeline.agent import AgentSettings
 from pipeline.clauses import ClauseSplitter
-from pipeline.engines import Backends, EngineUnavailable, LLMFinish, ToolCall, Voice, bounded_stream
+from pipeline.engines import (Backends, ClientGone, EngineBusy, EngineUnavailable, LLMFinish, ToolCall, Voice,
+                              bounded_stream)
 from pipeline.history import new_id
 from pipeline.session_config import SessionConfig
 from pipeline.tts.prompt import BOT_SPEAKER, Segment
@@ -94,6 +95,14 @@ class Reply:
                 await self._generate()
             except asyncio.CancelledError:
                 raise
+            except ClientGone:  # the client left: the session is closing, nothing to tell anyone
+                self.status, self.reason = FAILED, "client_gone"
+                return
+            except EngineBusy as exc:  # no TTS slot now: this reply ends, the session goes on
+                log.warning("reply %s (turn %d) refused: %s", self.id, self.turn, exc)
+                self.status, self.reason = FAILED, "server_busy"
+                await self.host.reply_error(self, "server_busy",
+                                            f"reply to turn {self.turn} refused: the server is busy ({exc})")
             except EngineUnavailable as exc:  # a dead or stalled replica ends this reply, not the session
                 log.warning("reply %s (turn %d) cut short: %s", self.id, self.turn, exc)
                 self.status, self.reason = FAILED, "engine_unavailable"

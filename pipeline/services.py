@@ -80,12 +80,16 @@ class STTService:
 
         if sid in self._outbox:
             await self.close(sid)
+        # Noted before the engine call: an open whose caller gave up (cancelled midway, after the
+        # engine took the slot) is still closed by the stale sweep.
+        self._last_call[sid] = time.monotonic()
         for retry in (False, True):  # once more after closing abandoned streams, if there were any
             try:
                 await self.thread.run(self.engine.open, sid)
                 break
             except NoFreeSlotError as exc:
                 if retry or not await self._close_stale():
+                    self._last_call.pop(sid, None)
                     return str(exc)
         self._outbox[sid] = []
         self._last_call[sid] = time.monotonic()

@@ -44,12 +44,24 @@ class SessionConfig:
     barge_in_grace_s: float = 0.5  # no interruption during the reply's first audio
     # CSM context: the last N turns with audio (user audio encoded once, bot codes as generated).
     context_turns: int = 6
+    # The conversation history a session keeps (docs/protocol.md, "Session limits"): past this many
+    # characters (messages' text, calls' names and arguments; a running total) the oldest whole user
+    # turns go, with the replies, calls and outputs after them; the latest user turn always stays.
+    # The whole history goes with every LLM call, whose prompt keeps only the LLM's token budget
+    # (history_tokens: 1024 tokens, some 4000 characters, by default; at most max_context_tokens):
+    # this bounds what a long session sends and costs, with room to spare for larger budgets.
+    max_history_chars: int = 64_000
     # Limits (docs/protocol.md, "Session limits"). No frame either way for this long closes the
     # session (idle_timeout, close 1000).
     idle_timeout_s: float = 300.0
     # A spoken turn ends (turn_too_long, then its transcript) once its recognised audio reaches this
     # length, or this long after it took its STT slot: bounds the buffered audio and the slot's hold.
     max_turn_s: float = 60.0
+    # Microphone audio faster than max_audio_rate times real time, sustained, is dropped and the
+    # client told audio_too_fast (once per episode); audio_burst_s of it may come at once (a
+    # recorded turn sent whole), pipeline/audio_allowance.py.
+    max_audio_rate: float = 2.0
+    audio_burst_s: float = 60.0
     # Sessions per gateway replica; a connection over the cap gets server_busy (close 1013).
     max_sessions: int = 64
     # Per client address (pipeline/client_limits.py), checked before the WebSocket is accepted:
@@ -76,9 +88,13 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s", "tool_timeout_s",
-                     "max_sessions_per_client", "handshakes_per_minute"):
+                     "max_sessions_per_client", "handshakes_per_minute", "max_audio_rate", "audio_burst_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if isinstance(self.max_history_chars, bool) or not isinstance(self.max_history_chars, int) \
+                or self.max_history_chars <= 0:
+            raise ValueError(f"SessionConfig.max_history_chars must be an integer > 0, "
+                             f"got {self.max_history_chars!r}")
         if self.slot_retry_s < 0:
             raise ValueError(f"SessionConfig.slot_retry_s must be >= 0, got {self.slot_retry_s!r}")
         if self.turn_detection not in TURN_DETECTION:

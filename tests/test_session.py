@@ -12,7 +12,7 @@ import pytest
 from pipeline import protocol as P
 from pipeline import session as session_module
 from pipeline.audio import speech_like
-from pipeline.connection import SessionRegistry, serve_connection
+from pipeline.connection import ClientGone, SessionRegistry, serve_connection
 from pipeline.llm.config import LLMConfig
 from pipeline.runtime import InferenceThread
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService, load_stt
@@ -742,3 +742,139 @@ def test_a_moved_stream_restarts_its_turn_with_the_same_transcript(backends, mov
     last_partial = [[m["text"] for m in rec.turn(1) if m["type"] == "transcript.partial"][-1] for rec in (reference, moved)]
     assert last_partial[0] == last_partial[1]  # the replay rebuilt the partial, not appended to it
     assert active == []
+
+
+# ----------------------------------------------------------------------------- the door's limits (issue 25)
+def test_a_push_timeout_frees_the_stt_slot_at_once(backends):
+    """A recogniser push that does not answer within engine_timeout_s: the turn's stream is closed
+    on the replica at once (its slot free for others), not left to the replica's 120 s sweep, and
+    not leaked when the session ends."""
+    failing = FailingBackends(backends)
+    speech = speech_like(1.0, seed=41)
+
+    async def go():
+        rec = Recorder()
+        s = Session(rec, failing, SessionConfig(pace_lead_s=None, engine_timeout_s=0.5), session_id="stalled")
+        await s.start()
+        await _say(s, speech[:3200])
+        held = {"speaking": _active(backends)}
+        failing.stall.add("stt_push")
+        await s.on_frame(P.client_audio(speech[3200:4800]))  # times out after 0.5 s
+        await s.core.recogniser.wait_closed()
+        held["timed out"] = _active(backends)
+        failing.stall.discard("stt_push")
+        await s.close()
+        held["closed"] = _active(backends)
+        return rec, held
+
+    rec, held = asyncio.run(go())
+    assert held == {"speaking": ["stalled"], "timed out": [], "closed": []}
+    assert rec.errors() == [P.E_ENGINE_UNAVAILABLE]
+
+
+def test_audio_faster_than_twice_real_time_is_refused_and_dropped(backends, monkeypatch):
+    """A client pushing microphone audio at 20x real time: past its burst allowance it gets one
+    audio_too_fast, its frames are dropped (the recogniser sees at most burst + 2x the elapsed
+    time), and it is heard again once it slows down. A session beside it is answered in full."""
+    clock = FakeClock()
+    monkeypatch.setattr(session_module, "time", clock)
+    speech = speech_like(1.0, seed=43)
+    pushed: dict[str, int] = {}
+
+    class Counting(SpyBackends):
+        async def stt_push(self, sid, pcm):
+            pushed[sid] = pushed.get(sid, 0) + len(pcm)
+            return await self.inner.stt_push(sid, pcm)
+
+    counting = Counting(backends)
+    cfg = SessionConfig(pace_lead_s=None, audio_burst_s=2.0, max_audio_rate=2.0)
+
+    async def go():
+        rec, witness = Recorder(), Recorder()
+        s = Session(rec, counting, cfg, session_id="fast")
+        w = Session(witness, counting, cfg, session_id="witness")
+        await s.start()
+        await w.start()
+        await w.on_frame(P.client_text("Tell me about the weather."))
+        for k in range(60):  # 6 s of audio in 0.3 s of the session's time: 20x real time
+            await s.on_frame(P.client_audio(speech[(k % 10) * 1600:(k % 10 + 1) * 1600]))
+            clock.now += 0.005
+        seen = {"errors": rec.errors(), "pushed_s": pushed.get("fast", 0) / 16000}
+        clock.now += 5.0  # it stopped for a while: audio at real time is heard again
+        await s.on_frame(P.client_audio(speech[:1600]))
+        seen["after"] = pushed["fast"] / 16000
+        await s.on_frame(P.client_turn_end())
+        await rec.wait(_done(1))
+        await witness.wait(_done(1))
+        await s.close()
+        await w.close()
+        return rec, witness, seen
+
+    rec, witness, seen = asyncio.run(go())
+    assert seen["errors"] == [P.E_AUDIO_TOO_FAST]  # told once, not once per frame
+    assert 2.0 <= seen["pushed_s"] <= 2.0 + 2 * 0.3 + 0.1  # the burst and what 0.3 s of refill allows
+    assert seen["after"] == pytest.approx(seen["pushed_s"] + 0.1)
+    assert witness.errors() == [] and any(m["type"] == "audio" for m in witness.turn(1))
+    assert rec.errors() == [P.E_AUDIO_TOO_FAST]
+
+
+def test_a_client_gone_mid_reply_is_no_error(backends, caplog):
+    """The client leaves while its reply's audio is being sent: the reply ends quietly, with no
+    internal error counted or logged (a departure is not a server fault)."""
+    counted: list[str] = []
+
+    async def go():
+        sent = {"audio": 0}
+
+        async def send(frame: bytes) -> None:
+            if P.unpack(frame)["type"] == "audio":
+                sent["audio"] += 1
+                if sent["audio"] == 2:
+                    raise ClientGone()
+
+        s = Session(send, backends, SessionConfig(pace_lead_s=None, on_error=counted.append))
+        await s.start()
+        await s.on_frame(P.client_text("Tell me a long story, please."))
+        await s.core.reply.task
+        reply = s.core.reply
+        await s.close()
+        return reply
+
+    with caplog.at_level("WARNING"):
+        reply = asyncio.run(go())
+    assert (reply.status, reply.reason) == ("failed", "client_gone")
+    assert counted == []
+    assert [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
+
+
+def test_a_busy_tts_is_server_busy_and_the_session_goes_on(backends):
+    """Every TTS slot taken and its waiting line full (TTSBusyError, which through Ray arrives as
+    an instance of itself): the reply ends with server_busy, not internal; the next is answered."""
+    from pipeline.tts.engine import TTSBusyError
+
+    class Busy(SpyBackends):
+        busy = True
+
+        async def tts_stream(self, text, context):
+            if self.busy:
+                raise TTSBusyError("all 1 TTS slots are busy and 4 streams wait")
+            async for item in self.inner.tts_stream(text, context):
+                yield item
+
+    busy = Busy(backends)
+
+    async def go():
+        rec = Recorder()
+        s = Session(rec, busy, SessionConfig(pace_lead_s=None))
+        await s.start()
+        await s.on_frame(P.client_text("Hello there."))
+        await rec.wait(_done(1))
+        busy.busy = False
+        await s.on_frame(P.client_text("Hello again."))
+        await rec.wait(_done(2))
+        await s.close()
+        return rec
+
+    rec = asyncio.run(go())
+    assert rec.errors() == [P.E_SERVER_BUSY]
+    assert any(m["type"] == "audio" for m in rec.turn(2))

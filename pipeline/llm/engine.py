@@ -80,6 +80,12 @@ def build_prompt(
     kept history starts with a user turn (templates that require user/assistant alternation
     stay valid). ``count_tokens`` defaults to :func:`approx_token_count`; the engine passes
     the exact length of the chat-templated prompt.
+
+    ``count_tokens`` runs O(log n) times for n turns, never once per dropped turn: a prompt's
+    length does not grow as older turns leave it, so the first start that fits is found by a
+    search that gallops back from the latest user turn (1, 2, 4, ... starts), then bisects.
+    So each prompt it counts holds at most about twice the kept turns: the cost follows what
+    is kept, not how long the history has grown.
     """
     count = count_tokens or approx_token_count
     system = system_prompt or None
@@ -90,14 +96,29 @@ def build_prompt(
 
     user_idx = [i for i, m in enumerate(turns) if m.get("role") == "user"]
     last_user = user_idx[-1] if user_idx else max(len(turns) - 1, 0)
+    # Where the kept history may start, oldest first: the whole history, or a user turn before the
+    # latest (which is kept whatever the budget says).
+    starts = [s for s in [0] + [i for i in user_idx if i > 0] if s < last_user]
 
-    start = 0
-    # Drop the oldest turns while over budget (never the latest user turn).
-    while start < last_user and count(head + turns[start:]) > budget:
-        start += 1
-        # Keep the history starting with a user turn.
-        while start < last_user and turns[start].get("role") != "user":
-            start += 1
+    def fits(k: int) -> bool:
+        return count(head + turns[starts[k]:]) <= budget
+
+    # The first k with fits(k) (len(starts): none, so the latest user turn alone). fits only turns
+    # true as k grows: gallop back from the newest start until one does not fit, then bisect.
+    lo, hi, step = 0, len(starts), 1  # the answer is in [lo, hi]
+    while hi > lo:
+        k = max(hi - step, lo)
+        if not fits(k):
+            lo = k + 1
+            break
+        hi, step = k, step * 2
+    while lo < hi:
+        k = (lo + hi) // 2
+        if fits(k):
+            hi = k
+        else:
+            lo = k + 1
+    start = starts[lo] if lo < len(starts) else last_user
     return head + turns[start:]
 
 

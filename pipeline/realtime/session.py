@@ -44,7 +44,7 @@ AGENT_PARAMS = {"instructions": "session.instructions", "voice": "session.audio.
                 "modalities": "session.output_modalities", "max_output_tokens": "session.max_output_tokens",
                 "temperature": "session.temperature", "tools": "session.tools", "tool_choice": "session.tool_choice"}
 # Core error codes a client caused (everything else the core reports is the server's)
-CLIENT_CAUSED = {"turn_too_long", "bad_setting"}
+CLIENT_CAUSED = {"turn_too_long", "bad_setting", "audio_too_fast"}
 
 
 class ClientEventError(Exception):

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.engines import EngineBusy
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, load_csm, tiny_arch
 from pipeline.tts.mimi import FRAME_SIZE, SAMPLE_RATE, SlotDecoder, encode_streaming_modules, load_mimi, to_int16
@@ -58,8 +59,9 @@ log = logging.getLogger(__name__)
 USER_RATE = 16_000  # what the gateway and STT carry
 
 
-class TTSBusyError(RuntimeError):
-    """Every slot is taken and the waiting line is full."""
+class TTSBusyError(EngineBusy):
+    """Every slot is taken and the waiting line is full (through Ray, the gateway's error is an
+    instance of it too, so the session tells its client ``server_busy``)."""
 
 
 @dataclass(frozen=True)
