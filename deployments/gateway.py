@@ -4,6 +4,7 @@
 import asyncio
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -17,6 +18,7 @@ from ray.serve import exceptions as serve_errors
 from ray.serve.handle import DeploymentHandle
 from starlette.websockets import WebSocketDisconnect
 
+from deployments import proxy_limits
 from pipeline import metrics
 from pipeline import protocol as P
 from pipeline.admission import Gatekeeper, Handshake, Refused
@@ -207,6 +209,10 @@ class Gateway:
                      "too_many_sessions"):
             metrics.HANDSHAKES_REFUSED.labels(code=code).inc(0)
         api.state.gate = self.gate  # the HTTP routes' Host check (_door)
+        if os.environ.get(proxy_limits.ENV) != proxy_limits.CALLBACK:
+            log.warning("%s is not %s in the environment Ray started in: the HTTP proxy reads WebSocket "
+                        "messages up to uvicorn's 16 MiB before this gateway can refuse them (start with "
+                        "scripts/serve.sh, or set it for `ray start`)", proxy_limits.ENV, proxy_limits.CALLBACK)
         if auth_cfg.mode == "none":
             log.warning("auth mode none: anyone who can reach this server's port can open sessions")
         # The turn-taking models load here, before the replica is ready, not on a first caller.

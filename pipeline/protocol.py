@@ -26,6 +26,10 @@ SETTINGS = {"instructions": "instructions", "voice": "voice", "temperature": "te
             "tool_choice": "tool_choice", "tool_filler": "tool_filler", "tool_filler_after_ms": "tool_filler_after_ms"}
 # Largest frame we read at all: one second of audio plus msgpack overhead, with room to spare.
 MAX_FRAME_BYTES = 64 * 1024
+# Largest WebSocket message the server's proxy reads at all, on any route (v1 frames over
+# MAX_FRAME_BYTES but under this get frame_too_large; over it, the connection is closed with 1009
+# before the message is read: deployments/proxy_limits.py).
+MAX_WS_MESSAGE_BYTES = 256 * 1024
 
 # Stable error codes (docs/protocol.md lists them with their meaning).
 E_TEXT_FRAME = "text_frame"            # a text WebSocket frame; the protocol is binary msgpack

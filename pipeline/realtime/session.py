@@ -37,7 +37,9 @@ from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
 
-MAX_APPEND_CHARS = 15 * 1024 * 1024  # OpenAI's limit of one input_audio_buffer.append's audio (base64)
+# One input_audio_buffer.append's audio (base64): what fits in the proxy's largest message (OpenAI
+# allows 15 MiB; 240 KiB of base64 is 3.7 s of 24 kHz audio, far above what clients send at once).
+MAX_APPEND_CHARS = 240 * 1024
 PIECE = ENGINE_INPUT_RATE  # engine-rate samples handed to the core at a time (1 s, as v1's frames)
 # AgentSettings fields -> where they live in the Realtime session object (for errors' ``param``)
 AGENT_PARAMS = {"instructions": "session.instructions", "voice": "session.audio.output.voice",

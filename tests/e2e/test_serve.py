@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 
 import msgpack
@@ -408,3 +409,62 @@ def test_tool_call_then_result_then_the_spoken_answer(server):
     assert kinds.count("response.done") == 1 and turn[-1]["interrupted"] is False
     assert [m["seq"] for m in turn if m["type"] == "audio"] == list(range(kinds.count("audio")))
     assert not any(m["type"] == "error" for m in msgs)
+
+
+# ----------------------------------------------------------------------------- the door (issue 25)
+def test_a_message_over_the_door_limit_closes_before_it_is_read(server):
+    """A 1 MiB WebSocket message is refused by the proxy as its first bytes arrive (1009, message
+    too big: deployments/proxy_limits.py), not read and queued for the gateway; a frame over v1's
+    64 KiB but under the door's limit still gets v1's frame_too_large; other sessions go on."""
+    async def go():
+        async with websockets.connect(URL, max_size=None) as ws:
+            await ws.recv()  # session.ready
+            await ws.send(b"\x00" * (P.MAX_FRAME_BYTES + 1))
+            middle = msgpack.unpackb(await ws.recv())
+            await ws.send(b"\x00" * (1 << 20))
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                while True:
+                    await ws.recv()
+        async with Conversation(URL) as conv:
+            tr = await conv.say_text("Still there?")
+        return middle, closed.value.rcvd, tr
+
+    middle, rcvd, tr = run(go())
+    assert (middle["type"], middle["code"]) == ("error", P.E_FRAME_TOO_LARGE)
+    assert rcvd is not None and rcvd.code == 1009
+    check_turn_order(tr)
+
+
+def _http(path: str, headers: dict | None = None, method: str = "GET") -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{PORT}{path}", headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_the_door_refuses_rebinding_hosts_and_malformed_origins(server):
+    """A page on a name rebound to this loopback server (Host: rebound.example) is refused on every
+    route, the WebSocket included, though its Origin is its own; a malformed Origin is a 403, not a
+    500; /web/ files carry the page's security headers; /openapi.json is not served."""
+    rebound = {"Host": "rebound.example:8000", "Origin": "http://rebound.example:8000"}
+    statuses = {path: _http(path, rebound)[0] for path in ("/", "/healthz", "/metrics", "/web/index.html")}
+    assert statuses == dict.fromkeys(statuses, 403), statuses
+    assert json.loads(_http("/", rebound)[2])["code"] == "host_not_allowed"
+
+    async def handshake(headers):
+        try:
+            async with websockets.connect(URL, additional_headers=headers):
+                return 101
+        except websockets.InvalidStatus as exc:
+            return exc.response.status_code
+
+    assert run(handshake({"Origin": "http://rebound.example:8000", "Host": "rebound.example:8000"})) == 403
+    assert run(handshake({"Origin": "http://["})) == 403
+    status, headers, _ = _http("/web/index.html")
+    assert status == 200
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert headers["x-content-type-options"] == "nosniff"
+    assert _http("/openapi.json")[0] == 404
+    assert run(handshake({})) == 101  # and an ordinary client still comes in
