@@ -34,7 +34,9 @@ A cache never stops a replica from starting: a missing, corrupt or unwritable ca
 warning and the engine compiles as it would without one.
 
 Root: ``$GAPLESS_COMPILE_CACHE`` or ``/tmp/gapless-compile-cache``; ``GAPLESS_COMPILE_CACHE=off``
-turns the cache off (inductor then uses its own default directory).
+turns the cache off (inductor then uses its own default directory). The root must be this user's
+alone (``pipeline.private_dir``): artifacts are unpickled and kernels loaded from it, so a root
+another user owns or may write is not used at all (a warning, and the engine compiles).
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Callable
+
+from pipeline.private_dir import NotPrivate, ensure_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +200,11 @@ def warm_start(name: str, cfg: Any, load: Callable[[], Any], root: str | None = 
     inference thread), before anything else in the process compiles."""
     root = cache_root(root)
     if root is None or not getattr(cfg, "compile", False):
+        return load
+    try:
+        ensure_private_dir(root)
+    except (NotPrivate, OSError) as exc:
+        log.warning("%s compile cache not used: %s", name, exc)
         return load
     cache = CompileCache(root, name, repr(cfg))
 

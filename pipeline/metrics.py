@@ -13,6 +13,8 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the gateway
 
+from pipeline.private_dir import ensure_private_dir
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 if os.environ.get(MULTIPROC_ENV):
     os.makedirs(os.environ[MULTIPROC_ENV], exist_ok=True)
@@ -84,8 +86,9 @@ def exposition() -> bytes:
 
 
 def prepare_multiproc_dir(path: str) -> None:
-    """Empty the shared metrics directory at app start (stale files of dead processes)."""
-    os.makedirs(path, exist_ok=True)
+    """Empty the shared metrics directory at app start (stale files of dead processes). It must be
+    this user's alone (``pipeline.private_dir``; NotPrivate stops the start, naming the fix)."""
+    ensure_private_dir(path)
     for name in os.listdir(path):
         if name.endswith(".db"):
             os.remove(os.path.join(path, name))
