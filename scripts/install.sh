@@ -1,28 +1,44 @@
 #!/usr/bin/env bash
 # Install gapless and everything it needs into ./.venv (fresh machine: Python 3.10+, no GPU needed).
-#   TORCH_SPEC   torch requirement to install first (default torch==2.13.0, the CPU build; on a
-#                GPU machine e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
+#   TORCH_SPEC   torch requirement to install first. Default: torch==2.13.0, the CPU build, from
+#                PyTorch's CPU wheel index (PyPI's Linux wheel is a CUDA build of several GB),
+#                falling back to the configured indexes where that index cannot be reached. On a
+#                GPU machine e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 #   EXTRAS       pip extras of this project (default "dev"; "dev,gpu" adds vLLM)
-#   --system     also install the Debian packages the tests and load tools use (prometheus for the
-#                metrics test, espeak-ng for spoken test turns, chromium for the web client's
-#                browser test, driven by Playwright with no browser download); needs root or sudo
+#   --system     also install the Debian packages the tests and load tools use (python3-venv,
+#                prometheus for the metrics test, espeak-ng for spoken test turns, chromium for the
+#                web client's browser test, driven by Playwright with no browser download, openssl
+#                for scripts/dev_cert.sh); needs root or sudo
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+has_venv() { "$PY" -c "import ensurepip, venv" >/dev/null 2>&1; }
 if [ "${1:-}" = "--system" ]; then
   missing=""
-  for pkg in prometheus espeak-ng chromium; do command -v "$pkg" >/dev/null || missing="$missing $pkg"; done
+  for pkg in prometheus espeak-ng chromium openssl; do command -v "$pkg" >/dev/null || missing="$missing $pkg"; done
+  has_venv || [ -x .venv/bin/python ] || missing="$missing python3-venv"
   if [ -n "$missing" ]; then
     sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends $missing
   fi
 fi
-PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ] && ! has_venv; then
+  echo "install.sh: $PY cannot make a virtual environment (no venv/ensurepip): install Debian's" \
+       "python3-venv (sudo apt-get install python3-venv), or run: bash scripts/install.sh --system" >&2
+  exit 1
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip=".venv/bin/python -m pip"
 $pip install -q --upgrade pip
 # torch first, so no later requirement pulls a different (multi-GB CUDA) build.
-$pip install -q ${TORCH_SPEC:-torch==2.13.0}
+if [ -n "${TORCH_SPEC:-}" ]; then
+  $pip install -q $TORCH_SPEC
+elif ! $pip install -q --retries 0 --timeout 15 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu 2>/dev/null; then
+  echo "install.sh: PyTorch's CPU index is out of reach; torch==2.13.0 from the configured indexes" >&2
+  $pip install -q torch==2.13.0
+fi
+.venv/bin/python -c "import torch; b = f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU'; print(f'torch {torch.__version__}: the {b} build')"
 $pip install -q -e ".[${EXTRAS:-dev}]"
 # moshi without its declared pins (torch<2.10, numpy<2.3, safetensors<0.8, hub<1.0): its Mimi
 # runs on the newer versions installed above, and its runtime needs are our own dependencies.
