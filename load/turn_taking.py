@@ -1,6 +1,6 @@
 """Turn-taking measurement against a running server (hands-free turns, barge-in, echo).
 
-    python -m load.turn_taking [--url ws://127.0.0.1:8000/v1/conversation] [--rounds 10] [--out DIR]
+    python -m load.turn_taking [--url ws://127.0.0.1:8000/v1/conversation] [--rounds 10] [--out DIR] [--token T]
 
 Four phases, one session each, all in real time with espeak-ng speech (load/speech.py):
 - hands-free: sentences with 0.3 s of silence before, no turn.end; per turn the voice-to-voice
@@ -12,7 +12,8 @@ Four phases, one session each, all in real time with espeak-ng speech (load/spee
 - echo: the client plays the reply on a speakerphone (its audio back into the microphone at
   -10 dB, 150 ms later, load/speakerphone.py), `rounds` replies: interruptions counted (want 0);
   then the same with a person speaking over the echo (want each interrupted, and how fast).
-Prints a table and one JSON line (also written to OUT/turn_test.json).
+Prints a table and one JSON line (also written to OUT/turn_test.json). Against a server with auth on,
+pass ``--token`` (default: $GAPLESS_TOKEN), sent as ``Authorization: Bearer`` like the other load tools.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from load import speech
-from load.client import Conversation
+from load.client import Conversation, add_token_argument
 from load.speakerphone import Speakerphone
 from pipeline import protocol as P
 
@@ -40,10 +41,10 @@ def _pct(xs, q):
     return float(np.percentile(xs, q)) if xs else None
 
 
-async def hands_free(url: str, clips: list[np.ndarray]) -> tuple[list[dict], int]:
+async def hands_free(url: str, clips: list[np.ndarray], token: str | None = None) -> tuple[list[dict], int]:
     """Per clip: voice-to-voice (ms) and its split (end of speech -> transcript.final -> first
     audio); and how many turns the server made of the clips."""
-    async with Conversation(url) as conv:
+    async with Conversation(url, token=token) as conv:
         rows = []
         for pcm in clips:
             tr = await conv.say_hands_free(pcm, speech_end=len(pcm))
@@ -66,10 +67,11 @@ async def _stream_mic(conv: Conversation, t0: float, seconds: float, frame_of, u
             return
 
 
-async def reply_with_mic(url: str, person: np.ndarray | None, echo: bool, seconds: float = 6.0) -> dict:
+async def reply_with_mic(url: str, person: np.ndarray | None, echo: bool, seconds: float = 6.0,
+                         token: str | None = None) -> dict:
     """A typed turn's reply plays (on a speakerphone if ``echo``); with ``person``, they start to
     speak after ~1 s of reply audio. Returns whether the reply was interrupted and how fast."""
-    async with Conversation(url) as conv:
+    async with Conversation(url, token=token) as conv:
         t0 = time.monotonic()
         phone = Speakerphone(t0)
         turn = await conv.send_text_turn("Tell me a long story about the sea, please.")
@@ -117,17 +119,17 @@ async def main_async(args) -> dict:
     clips = [speech.padded(speech.espeak(t), 0.3, 0.0) for t in SENTENCES]
     paused = speech.padded(speech.with_pauses(*PAUSED), 0.3, 0.0)
     person = speech.espeak(PERSON).astype(np.float32)
-    rows, turns = await hands_free(args.url, clips * 2)
+    rows, turns = await hands_free(args.url, clips * 2, args.token)
     v2v = [r["v2v"] for r in rows]
     if args.hands_free_only:
         return {"voice_to_voice_ms": {"n": len(v2v), "p50": _pct(v2v, 50), "p95": _pct(v2v, 95), "max": max(v2v, default=None)},
                 "voice_to_voice_split_ms": {k: _pct([r[k] for r in rows], 50) for k in ("to_final", "final_to_audio")},
                 "partial_every_ms": _pct([r["partial_every"] for r in rows if r["partial_every"]], 50),
                 "hands_free_turns": {"clips": len(clips) * 2, "turns": turns}}
-    _, paused_turns = await hands_free(args.url, [paused] * args.rounds)
-    barge = [await reply_with_mic(args.url, person, echo=False) for _ in range(args.rounds)]
-    echo_only = [await reply_with_mic(args.url, None, echo=True) for _ in range(args.rounds)]
-    echo_person = [await reply_with_mic(args.url, person, echo=True) for _ in range(args.rounds)]
+    _, paused_turns = await hands_free(args.url, [paused] * args.rounds, args.token)
+    barge = [await reply_with_mic(args.url, person, echo=False, token=args.token) for _ in range(args.rounds)]
+    echo_only = [await reply_with_mic(args.url, None, echo=True, token=args.token) for _ in range(args.rounds)]
+    echo_person = [await reply_with_mic(args.url, person, echo=True, token=args.token) for _ in range(args.rounds)]
     b_ms = [r["barge_in_ms"] for r in barge if "barge_in_ms" in r]
     e_ms = [r["barge_in_ms"] for r in echo_person if "barge_in_ms" in r]
     return {
@@ -151,6 +153,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--hands-free-only", action="store_true", help="only the hands-free turns (voice-to-voice)")
+    add_token_argument(ap)
     args = ap.parse_args()
     res = asyncio.run(main_async(args))
     rows = [

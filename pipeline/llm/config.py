@@ -49,7 +49,7 @@ class LLMConfig:
     # OpenAI-compatible backend
     openai_url: str = "http://127.0.0.1:8000/v1"
     openai_model: str = REAL_MODEL
-    openai_api_key: str | None = field(default_factory=_env_api_key)
+    openai_api_key: str | None = field(default_factory=_env_api_key, repr=False)  # never printed with the config
     openai_timeout_s: float = 30.0
     # shape of the random-weight model (profiles tiny and full; the real profile reads the checkpoint's)
     tiny_layers: int = 2
