@@ -49,8 +49,10 @@ def write_mic_wav(path: Path, pcm16k: np.ndarray) -> str:
 class Page:
     """One page of the web client. ``with Page(url, mic_wav) as page: page.connect()``."""
 
-    def __init__(self, url: str, mic_wav: str | None = None, console: list[str] | None = None):
+    def __init__(self, url: str, mic_wav: str | None = None, console: list[str] | None = None,
+                 ignore_https_errors: bool = False):
         self.url = url
+        self.ignore_https_errors = ignore_https_errors  # a self-signed certificate (scripts/dev_cert.sh)
         self.mic_wav = mic_wav
         self.console = console if console is not None else []
 
@@ -60,7 +62,8 @@ class Page:
         self._pw = sync_playwright().start()
         self.browser = self._pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                                 args=chromium_args(self.mic_wav))
-        self.page = self.browser.new_page(viewport={"width": 1000, "height": 900})
+        self.page = self.browser.new_page(viewport={"width": 1000, "height": 900},
+                                          ignore_https_errors=self.ignore_https_errors)
         self.page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}"))
         self.page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
         self.page.goto(self.url)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -19,9 +20,11 @@ URL = f"{HANDS_FREE_URL}?turn_detection=manual"
 REALTIME_URL = f"ws://127.0.0.1:{PORT}/v1/realtime"  # the OpenAI Realtime protocol (docs/realtime.md)
 
 
-def healthz() -> int | None:
+def healthz(scheme: str = "http") -> int | None:
+    """/healthz's status, None when nothing answers (over TLS: any certificate, this only probes)."""
+    context = ssl._create_unverified_context() if scheme == "https" else None
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/healthz", timeout=5) as r:
+        with urllib.request.urlopen(f"{scheme}://127.0.0.1:{PORT}/healthz", timeout=5, context=context) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -33,7 +36,7 @@ def wait_until_down(timeout: float = 60) -> None:
     """Return once nothing answers on the port: processes killed by ``ray stop --force`` release
     it a moment after the command returns, and the next test's server needs it."""
     deadline = time.monotonic() + timeout
-    while healthz() is not None:
+    while healthz() is not None or healthz("https") is not None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"something still answers on port {PORT} {timeout} s after stopping")
         time.sleep(0.2)
@@ -42,8 +45,10 @@ def wait_until_down(timeout: float = 60) -> None:
 class ServeProcess:
     """``serve run CONFIG`` in its own process group; stopped with SIGTERM (SIGINT hangs)."""
 
-    def __init__(self, config: str = "serve_config.yaml", log_path: str | None = None, env: dict | None = None):
+    def __init__(self, config: str = "serve_config.yaml", log_path: str | None = None, env: dict | None = None,
+                 scheme: str = "http"):
         self.config = config
+        self.scheme = scheme  # "https": the config serves TLS (http_options ssl_certfile / ssl_keyfile)
         self.env = env or {}  # e.g. RAY_ADDRESS: deploy onto a cluster started beforehand
         self.log_path = log_path or str(ROOT / "out" / "serve-test.log")
         self.proc: subprocess.Popen | None = None
@@ -51,7 +56,7 @@ class ServeProcess:
         self.startup_s: float | None = None
 
     def start(self, timeout: float = 600) -> None:
-        if healthz() is not None:
+        if healthz() is not None or healthz("https") is not None:
             raise RuntimeError(f"something already answers on port {PORT}; stop it first")
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
@@ -67,7 +72,7 @@ class ServeProcess:
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve run exited with {self.proc.returncode}; see {self.log_path}")
-            status = healthz()
+            status = healthz(self.scheme)
             if status == 503:
                 self.seen_503 = True
             if status == 200:

@@ -17,8 +17,8 @@ from pipeline import protocol as P
 from tests.e2e.serve_process import PORT
 from tests.e2e_auth.conftest import HANDSHAKES_PER_MINUTE, MAX_SESSIONS_PER_CLIENT
 
-BASE = f"http://127.0.0.1:{PORT}"
-URL = f"ws://127.0.0.1:{PORT}/v1/conversation?turn_detection=manual"
+BASE = f"https://127.0.0.1:{PORT}"  # the auth server serves TLS only (conftest.py)
+URL = f"wss://127.0.0.1:{PORT}/v1/conversation?turn_detection=manual"
 
 
 def run(coro):
@@ -62,7 +62,7 @@ def test_the_realtime_endpoint_needs_the_token_too(auth_server):
     from load.realtime_client import RealtimeConversation
 
     addr, token = "127.0.0.17", auth_server.token
-    url = f"ws://127.0.0.1:{PORT}/v1/realtime?model=gapless"
+    url = f"wss://127.0.0.1:{PORT}/v1/realtime?model=gapless"
     for headers in (None, {"Authorization": "Bearer not-the-token-at-all"}):
         try:
             run(websockets.connect(url, additional_headers=headers, local_addr=(addr, 0)))
@@ -103,12 +103,12 @@ def test_a_ticket_opens_one_connection(auth_server):
     assert issued.status_code == 200 and issued.headers["cache-control"] == "no-store"
     ticket = issued.json()
     assert ticket["expires_in_s"] == 60 and token not in ticket["ticket"]
-    url = f"ws://127.0.0.1:{PORT}{ticket['url']}&turn_detection=manual"
+    url = f"wss://127.0.0.1:{PORT}{ticket['url']}&turn_detection=manual"
     first, again = run(handshake(addr, url=url)), run(handshake(addr, url=url))
     assert (first[0], first[1]["type"]) == (101, "session.ready")
     assert (again[0], again[1]["code"]) == (401, "unauthorized") and "already used" in again[1]["message"]
     forged = ticket["ticket"][:-4] + ("0000" if not ticket["ticket"].endswith("0000") else "1111")
-    status, body = run(handshake(addr, url=f"ws://127.0.0.1:{PORT}/v1/conversation?ticket={forged}"))
+    status, body = run(handshake(addr, url=f"wss://127.0.0.1:{PORT}/v1/conversation?ticket={forged}"))
     assert (status, body["code"]) == (401, "unauthorized")
 
 
@@ -116,7 +116,7 @@ def test_a_foreign_origin_is_refused(auth_server):
     addr, auth = "127.0.0.14", {"Authorization": f"Bearer {auth_server.token}"}
     status, body = run(handshake(addr, {**auth, "Origin": "https://evil.example"}))
     assert (status, body["code"]) == (403, "origin_not_allowed")
-    status, ready = run(handshake(addr, {**auth, "Origin": f"http://127.0.0.1:{PORT}"}))  # the page's own
+    status, ready = run(handshake(addr, {**auth, "Origin": f"https://127.0.0.1:{PORT}"}))  # the page's own
     assert (status, ready["type"]) == (101, "session.ready")
 
 
@@ -172,7 +172,7 @@ def test_handshakes_per_minute_are_capped(auth_server):
 
 
 def test_the_page_asks_for_a_token_then_talks(auth_server):
-    with browser.Page(f"{BASE}/?mode=manual") as page:  # push-to-talk: the fake microphone stays unsent
+    with browser.Page(f"{BASE}/?mode=manual", ignore_https_errors=True) as page:  # push-to-talk: the fake microphone stays unsent
         page.connect()
         assert page.state()["status"].startswith("not connected")
         assert page.page.is_visible("#token")
