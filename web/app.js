@@ -1,13 +1,14 @@
 // The page: connects, streams the microphone, plays the reply, shows what happens.
 // window.gapless holds what the page measured (the browser test and load/browser_talk.py read it).
 import { Microphone, Player } from "./audio.js";
-import { Conversation, TurnStats, conversationUrl, fetchTicket } from "./client.js";
+import { Conversation, TurnStats, conversationUrl, fetchTicket, sampleRates } from "./client.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(window.location.search);
 if (params.has("jitter_ms")) $("jitter").value = params.get("jitter_ms");
 if (params.has("mode")) $("mode").value = params.get("mode");
 $("token").value = sessionStorage.getItem("gapless-token") || "";
+$("token-row").hidden = !$("token").value;
 
 const state = {
   status: "not connected",
@@ -15,7 +16,11 @@ const state = {
   playback: { played: 0, buffered: 0, underruns: 0, overflowed: 0 },
   flushes: [], // {turn, dropped, played}: an interrupted reply's buffered samples, dropped unplayed
   started: [], // {turn, played}: each turn's first sample, with the samples played before it
-  errors: [], // {code, message}
+  errors: [], // {code, message}: each error once
+  rates: null, // {input, output}: the sample rates session.ready announced (Hz)
+  microphone: null, // {label, settings, sampleRate (the capture context's), rate (sent at)}
+  player: null, // {sampleRate (the playback context's), rate (the replies')}
+  talks: [], // push-to-talk turns: {captured, sent} samples (at rates.input), sent before turn.end
   micFrames: 0,
   messages: 0,
 };
@@ -65,8 +70,9 @@ function renderTurn(s) {
 
 function onPlayback(ev) {
   if (ev.type === "stats") {
+    // Counts in reply samples, at the server's output rate (ev.rate).
     state.playback = { played: ev.played, buffered: ev.buffered, underruns: ev.underruns, overflowed: ev.overflowed };
-    $("playback").textContent = `played ${(ev.played / 24000).toFixed(1)} s · buffered ${Math.round(ev.buffered / 24)} ms` +
+    $("playback").textContent = `played ${(ev.played / ev.rate).toFixed(1)} s · buffered ${Math.round((ev.buffered * 1000) / ev.rate)} ms` +
       ` · underruns ${ev.underruns}`;
   } else if (ev.type === "started") {
     state.started.push({ turn: ev.turn, played: ev.played });
@@ -84,9 +90,6 @@ function onMessage(msg) {
   state.messages++;
   const now = performance.now();
   switch (msg.type) {
-    case "session.ready":
-      setStatus(`connected (session ${msg.session_id.slice(0, 8)})`, "connected");
-      break;
     case "speech.started":
       setStatus("hearing you…", "connected");
       break;
@@ -114,7 +117,7 @@ function onMessage(msg) {
       line(msg.turn, "bot").textContent += msg.text;
       break;
     case "audio": {
-      if (msg.turn === flushedTurn) break;
+      if (!player || msg.turn === flushedTurn) break;
       player.chunk(msg.pcm, msg.turn);
       const s = state.turns[msg.turn];
       if (s) { s.onChunk(now); renderTurn(s); }
@@ -124,9 +127,9 @@ function onMessage(msg) {
       const s = state.turns[msg.turn];
       if (msg.interrupted) {
         flushedTurn = msg.turn;
-        player.flush();
+        if (player) player.flush();
         line(msg.turn, "bot").classList.add("interrupted");
-      } else {
+      } else if (player) {
         player.end(msg.turn);
       }
       if (s) { s.interrupted = msg.interrupted; s.doneAt = now; renderTurn(s); }
@@ -138,6 +141,21 @@ function onMessage(msg) {
   }
 }
 
+// POST /v1/session; a 401 says whether the server wants a token or refused the one given.
+async function ticketFor(token) {
+  try {
+    return await fetchTicket(token);
+  } catch (err) {
+    if (err.status !== 401 && err.code !== "unauthorized") throw err;
+    $("token-row").hidden = false;
+    if (!token) {
+      throw Object.assign(new Error("this server needs a token: enter it and connect again"), { code: err.code });
+    }
+    sessionStorage.removeItem("gapless-token");
+    throw Object.assign(new Error("the token was refused: check it and connect again"), { code: err.code });
+  }
+}
+
 async function connect() {
   $("connect").disabled = true;
   $("error").hidden = true;
@@ -145,33 +163,32 @@ async function connect() {
   const token = $("token").value.trim();
   try {
     setStatus("asking for a ticket…");
-    let ticket;
-    try {
-      ticket = await fetchTicket(token);
-    } catch (err) {
-      if (err.code === "unauthorized") {
-        $("token-row").hidden = false;
-        throw Object.assign(new Error("this server needs a token: enter it and connect again"), { code: err.code });
-      }
-      throw err;
-    }
+    const ticket = await ticketFor(token);
     if (token) sessionStorage.setItem("gapless-token", token);
-    setStatus("starting audio…");
-    player = new Player($("speaker"), Number($("jitter").value), onPlayback);
-    await player.start();
+    setStatus("opening the microphone…");
     mic = new Microphone((pcm) => { state.micFrames++; conv && conv.audio(pcm); });
-    state.microphone = await mic.start();
-    mic.sending = mode === "vad";
+    await mic.open();
     setStatus("connecting…");
     const options = { turn_detection: mode };
     if (params.get("server_echo_cancellation") === "false") options.echo_cancellation = false;
     conv = new Conversation(conversationUrl(ticket.ticket, options), { onMessage, onClose });
-    await conv.open();
+    const ready = await conv.open();
+    // The audio runs at the rates this server announced: the microphone is sent at its input
+    // rate, replies are played at its output rate (web/audio.js). A browser that cannot run
+    // audio at them fails here, before any audio is sent.
+    state.rates = sampleRates(ready);
+    setStatus("starting audio…");
+    player = new Player($("speaker"), Number($("jitter").value), onPlayback);
+    state.player = await player.start(state.rates.output);
+    state.microphone = await mic.start(state.rates.input, mode === "vad");
+    setStatus(`connected (session ${String(ready.session_id).slice(0, 8)})`, "connected");
     $("connect").textContent = "Disconnect";
     $("connect").disabled = false;
     $("talk").disabled = mode !== "manual";
     $("text").disabled = $("send").disabled = false;
   } catch (err) {
+    // Told once: the server's error before session.ready, a refused ticket or connection, or
+    // the microphone or audio failing, each reaches here and nowhere else.
     setStatus(`not connected: ${err.message}`, "failed");
     showError(err.code || err.name, err.message);
     await teardown();
@@ -197,20 +214,25 @@ async function teardown() {
 
 $("connect").addEventListener("click", () => (conv ? teardown().then(() => setStatus("not connected")) : connect()));
 
-// Push-to-talk: the first press starts the turn, the second ends it (turn.end).
-$("talk").addEventListener("click", () => {
+// Push-to-talk: the first press starts the turn, the second ends it: what the microphone
+// captured up to then goes out, its last partial frame included, and then turn.end.
+$("talk").addEventListener("click", async () => {
   if (!conv || !mic) return;
   const talking = $("talk").getAttribute("aria-pressed") === "true";
   if (!talking) {
-    mic.sending = true;
+    mic.startSending();
     $("talk").setAttribute("aria-pressed", "true");
     $("talk").textContent = "Done";
   } else {
-    mic.sending = false;
-    conv.turnEnd();
+    $("talk").disabled = true;
+    const c = conv;
+    const talk = await mic.stopSending();
+    state.talks.push(talk);
+    c.turnEnd();
     pendingEnd = performance.now();
     $("talk").setAttribute("aria-pressed", "false");
     $("talk").textContent = "Talk";
+    $("talk").disabled = conv !== c;
   }
 });
 

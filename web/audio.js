@@ -1,4 +1,11 @@
-// The browser's audio: the microphone in at 16 kHz, the reply out at 24 kHz.
+// The browser's audio: the microphone in and the reply out, each at the rate the server
+// announced in session.ready (input_sample_rate, output_sample_rate).
+//
+// Each AudioContext is created at the server's rate, so the browser itself resamples: the
+// microphone (a MediaStreamAudioSourceNode feeding a context at another rate than the device's)
+// and the reply (the context's output is converted to the device's rate by the browser). A
+// browser that will not do that (the constructor or createMediaStreamSource throws, or the
+// context comes up at another rate) is told so: start throws, and the session gets no audio.
 //
 // Playback goes worklet -> MediaStreamAudioDestinationNode -> <audio> element, not to the
 // AudioContext's own destination: Chrome's echo canceller (getUserMedia echoCancellation)
@@ -6,44 +13,96 @@
 // through Web Audio's destination, so a reply played that way would come back into the
 // microphone uncancelled. See docs/web-client.md for what was verified.
 
-export const INPUT_RATE = 16000;
-export const OUTPUT_RATE = 24000;
 export const FRAME_MS = 40;
 
+function cannotRunAt(rate, why) {
+  return Object.assign(new Error(`this browser cannot run audio at ${rate} Hz (${why}): try Chromium`),
+                       { code: "unsupported_sample_rate" });
+}
+
+// An AudioContext at `rate`, or the error that says this browser will not make one.
+function contextAt(rate) {
+  let ctx;
+  try {
+    ctx = new AudioContext({ sampleRate: rate });
+  } catch (err) {
+    throw cannotRunAt(rate, err.name);
+  }
+  if (ctx.sampleRate !== rate) {
+    ctx.close();
+    throw cannotRunAt(rate, `it ran at ${ctx.sampleRate} Hz`);
+  }
+  return ctx;
+}
+
 export class Microphone {
-  // onFrame(ArrayBuffer of int16, 16 kHz) for every FRAME_MS of captured audio.
+  // onFrame(ArrayBuffer of int16 at the rate given to start) for every FRAME_MS of captured
+  // audio, and a shorter one for the rest of a push-to-talk turn when it stops.
   constructor(onFrame) {
     this.onFrame = onFrame;
-    this.sending = true; // push-to-talk turns this off between turns
     this.frames = 0;
+    this.sent = 0; // samples given to onFrame since the last startSending
+    this.stopped = null; // resolves the pending stopSending
   }
 
-  async start() {
+  // The permission prompt: before a session is opened, so that it does not wait on the user.
+  async open() {
     this.stream = await navigator.mediaDevices.getUserMedia({
       audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 },
     });
-    this.ctx = new AudioContext({ sampleRate: INPUT_RATE });
+  }
+
+  // Capture for a session whose input rate is `rate`; `sending`: from now (hands-free), or only
+  // between startSending and stopSending (push-to-talk).
+  async start(rate, sending) {
+    this.ctx = contextAt(rate);
+    let source;
+    try {
+      source = this.ctx.createMediaStreamSource(this.stream);
+    } catch (err) {
+      throw cannotRunAt(rate, err.name); // a browser that connects a microphone only at its own rate
+    }
     await this.ctx.audioWorklet.addModule(new URL("./worklets/capture.js", import.meta.url));
-    const source = this.ctx.createMediaStreamSource(this.stream);
     this.node = new AudioWorkletNode(this.ctx, "capture-processor", {
-      processorOptions: { frameSamples: (INPUT_RATE * FRAME_MS) / 1000 },
+      processorOptions: { frameSamples: Math.round((rate * FRAME_MS) / 1000), sending },
     });
     this.node.port.onmessage = (e) => {
-      if (e.data.type === "frame" && this.sending) {
+      if (e.data.type === "frame") {
         this.frames++;
+        this.sent += e.data.pcm.byteLength / 2;
         this.onFrame(e.data.pcm);
+      } else if (e.data.type === "stopped" && this.stopped) {
+        const done = this.stopped;
+        this.stopped = null;
+        done({ captured: e.data.captured, sent: this.sent });
       }
     };
     source.connect(this.node);
     await this.ctx.resume();
     const track = this.stream.getAudioTracks()[0];
-    return { label: track.label, settings: track.getSettings(), sampleRate: this.ctx.sampleRate };
+    return { label: track.label, settings: track.getSettings(), sampleRate: this.ctx.sampleRate, rate };
+  }
+
+  // Push-to-talk: send from now on.
+  startSending() {
+    this.sent = 0;
+    this.node.port.postMessage({ type: "start" });
+  }
+
+  // Push-to-talk: stop sending. Resolves, with {captured, sent} (samples), once every sample
+  // captured until now, the last partial frame included, has gone to onFrame.
+  stopSending() {
+    return new Promise((resolve) => {
+      this.stopped = resolve;
+      this.node.port.postMessage({ type: "stop" });
+    });
   }
 
   async stop() {
+    if (this.stopped) this.stopped({ captured: 0, sent: this.sent });
     if (this.stream) this.stream.getTracks().forEach((t) => t.stop());
     if (this.ctx) await this.ctx.close();
-    this.stream = this.ctx = this.node = null;
+    this.stream = this.ctx = this.node = this.stopped = null;
   }
 }
 
@@ -55,8 +114,9 @@ export class Player {
     this.onEvent = onEvent;
   }
 
-  async start() {
-    this.ctx = new AudioContext({ sampleRate: OUTPUT_RATE });
+  // Playback of replies at `rate` (the server's output rate).
+  async start(rate) {
+    this.ctx = contextAt(rate);
     await this.ctx.audioWorklet.addModule(new URL("./worklets/playback.js", import.meta.url));
     this.node = new AudioWorkletNode(this.ctx, "playback-processor", {
       outputChannelCount: [1],
@@ -68,6 +128,7 @@ export class Player {
     this.audioElement.srcObject = sink.stream;
     await this.ctx.resume();
     await this.audioElement.play();
+    return { sampleRate: this.ctx.sampleRate, rate };
   }
 
   // pcm: Uint8Array of int16 LE (msgpack bin); copied so the worklet gets an aligned buffer.

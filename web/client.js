@@ -4,7 +4,9 @@
 const { encode, decode } = window.MessagePack;
 
 // A ticket for the WebSocket handshake (browsers cannot send an Authorization header on it).
-// With auth off the server still answers, and the ticket is simply not needed.
+// With auth off the server still answers, and the ticket is simply not needed. Refused, it
+// throws an Error with the server's `code` and `message` and the HTTP `status` (a 401
+// `unauthorized` answers both a missing and a wrong token: the caller knows which it sent).
 export async function fetchTicket(token) {
   const headers = token ? { Authorization: `Bearer ${token}` } : {};
   const r = await fetch("/v1/session", { method: "POST", headers });
@@ -12,9 +14,17 @@ export async function fetchTicket(token) {
   if (!r.ok) {
     const err = new Error(body.message || `ticket request failed: HTTP ${r.status}`);
     err.code = body.code || `http_${r.status}`;
+    err.status = r.status;
     throw err;
   }
   return body;
+}
+
+// The sample rates a session.ready announces: {input, output} in Hz (protocol v1 names them
+// input_sample_rate and output_sample_rate; a server that left one out is taken at v1's rate).
+export function sampleRates(ready) {
+  const rate = (v, v1) => (Number.isFinite(v) && v > 0 ? v : v1);
+  return { input: rate(ready.input_sample_rate, 16000), output: rate(ready.output_sample_rate, 24000) };
 }
 
 export function conversationUrl(ticket, options) {
@@ -49,11 +59,15 @@ export class TurnStats {
 }
 
 export class Conversation {
-  // handlers: {onMessage(msg), onState(text), onClose(code, reason)}
+  // handlers: {onMessage(msg), onClose(code, reason)}, from session.ready on. Before it, how
+  // the connection went is told once, by open(): it resolves with session.ready, or rejects with
+  // the server's error (code, message) or the refused connection; neither goes to the handlers.
+  // onClose is not called for a close the page asked for (close()).
   constructor(url, handlers) {
     this.url = url;
     this.handlers = handlers;
     this.ws = null;
+    this.closing = false;
   }
 
   open() {
@@ -65,21 +79,27 @@ export class Conversation {
       ws.onmessage = (e) => {
         if (typeof e.data === "string") return; // the protocol is binary; ignore anything else
         const msg = decode(new Uint8Array(e.data));
-        if (!ready && msg.type === "session.ready") {
-          ready = true;
-          resolve(msg);
-        } else if (!ready && msg.type === "error") {
-          reject(Object.assign(new Error(msg.message), { code: msg.code }));
+        if (!ready) {
+          if (msg.type === "session.ready") {
+            ready = true;
+            resolve(msg);
+          } else if (msg.type === "error") {
+            // Instead of session.ready (bad_option, server_busy); the server closes next.
+            reject(Object.assign(new Error(msg.message), { code: msg.code }));
+          }
+          return;
         }
         this.handlers.onMessage(msg);
       };
       ws.onclose = (e) => {
         if (!ready) {
           // A handshake refused before the upgrade (401/403/429) shows only as a failed
-          // connection: browsers hide the HTTP status from pages.
+          // connection: browsers hide the HTTP status from pages. (After an error message,
+          // the promise is settled already and this changes nothing.)
           reject(Object.assign(new Error(`the server refused the connection (close ${e.code})`), { code: "refused" }));
+          return;
         }
-        this.handlers.onClose(e.code, e.reason);
+        if (!this.closing) this.handlers.onClose(e.code, e.reason);
       };
     });
   }
@@ -105,6 +125,7 @@ export class Conversation {
   }
 
   close() {
+    this.closing = true;
     if (this.ws) this.ws.close(1000, "bye");
   }
 }

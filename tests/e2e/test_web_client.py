@@ -4,17 +4,63 @@ Chromium's fake microphone plays an espeak sentence into getUserMedia; the page 
 hands-free (the server's VAD and Smart Turn end the turn), plays the reply through its
 AudioWorklet, then takes typed turns, one of which interrupts the reply before it. What the page
 measured is read from window.gapless (web/app.js). The screenshot is saved in out/.
+
+Then the page's edges: push-to-talk sends every captured sample before turn.end; the audio
+runs at the rates session.ready announces, and a browser that cannot run audio at them is told
+so and sends none; an error before session.ready is told once; a refused token is not "needs a
+token".
+What the page sent is read off the wire (RECORD_SENT wraps WebSocket.send), not from the page's
+own accounting.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
 from load import browser, speech
+from pipeline import protocol as P
 from tests.e2e.serve_process import PORT, ROOT
 
-PAGE = f"http://127.0.0.1:{PORT}/?jitter_ms=120"
+BASE = f"http://127.0.0.1:{PORT}"
+PAGE = f"{BASE}/?jitter_ms=120"
 SCREENSHOT = ROOT / "out" / "web-client.png"
 SECOND = 24_000  # reply samples in one second
+FRAME = 640  # samples in one 40 ms microphone frame at 16 kHz
+
+# Every message the page sends, decoded: {type, t (performance.now()), samples (audio)}, in
+# window.sent. Run on the loaded page, before it connects.
+RECORD_SENT = """() => {
+  window.sent = [];
+  const send = WebSocket.prototype.send;
+  WebSocket.prototype.send = function (data) {
+    const msg = window.MessagePack.decode(data);
+    window.sent.push({ type: msg.type, t: performance.now(), samples: msg.pcm ? msg.pcm.byteLength / 2 : 0 });
+    return send.call(this, data);
+  };
+}"""
+
+# Browsers that will not run the page's audio at the server's rates (as some do), made of
+# Chromium: one whose AudioContext constructor refuses any sampleRate asked for, and one that
+# makes the context but will not connect a microphone to it. Run on the loaded page, before it
+# connects (web/audio.js looks AudioContext up when the session starts).
+REFUSES_THE_RATE = {
+    "constructor": """() => {
+      const Native = window.AudioContext;
+      window.AudioContext = class extends Native {
+        constructor(options = {}) {
+          if (options.sampleRate) throw new DOMException(`${options.sampleRate} Hz`, "NotSupportedError");
+          super(options);
+        }
+      };
+    }""",
+    "microphone": """() => {
+      AudioContext.prototype.createMediaStreamSource = () => {
+        throw new DOMException("a context at another rate than the device's", "NotSupportedError");
+      };
+    }""",
+}
 
 
 def test_web_client_in_chromium(server, tmp_path: Path):
@@ -23,7 +69,9 @@ def test_web_client_in_chromium(server, tmp_path: Path):
         page.connect()
         s = page.state()
         assert s["status"].startswith("connected"), (s["status"], s["errors"], page.console)
-        assert s["microphone"]["sampleRate"] == 16_000
+        assert s["rates"] == {"input": 16_000, "output": 24_000}  # from session.ready
+        assert (s["microphone"]["sampleRate"], s["microphone"]["rate"]) == (16_000, 16_000)
+        assert (s["player"]["sampleRate"], s["player"]["rate"]) == (24_000, 24_000)
         assert s["microphone"]["settings"]["echoCancellation"] is True
 
         # 1. A spoken turn, hands-free: its transcript.final shows on the page, its reply plays.
@@ -68,3 +116,142 @@ def test_web_client_in_chromium(server, tmp_path: Path):
     assert s["turns"]["4"]["finalText"] == "Stop, please."
     assert s["errors"] == [], s["errors"]
     assert not [c for c in page.console if c.startswith("pageerror")], page.console
+
+
+def sent_until_turn_end(page: browser.Page) -> tuple[list[int], dict]:
+    """The sizes (samples) of the audio messages the page sent before its first turn.end, and that
+    turn.end (its time)."""
+    sent = page.page.evaluate("() => window.sent")
+    end = next(i for i, m in enumerate(sent) if m["type"] == "turn.end")
+    return [m["samples"] for m in sent[:end] if m["type"] == "audio"], sent[end]
+
+
+def talk(page: browser.Page, frames: int) -> float:
+    """Push-to-talk: press Talk, let `frames` microphone frames go, press it again; the time of
+    the first press (performance.now(), ms)."""
+    pressed = page.page.evaluate("() => performance.now()")
+    page.page.click("#talk")
+    page.wait(f"g.micFrames >= {frames}", 30)
+    page.page.click("#talk")
+    page.wait("g.talks.length === 1 && window.sent.some(m => m.type === 'turn.end')", 30)
+    return pressed
+
+
+def test_push_to_talk_sends_the_last_partial_frame(server, tmp_path: Path):
+    """Every sample captured between the presses goes out before turn.end: whole 40 ms frames,
+    then the rest of the last one (before: the rest was dropped)."""
+    mic = speech.padded(speech.espeak("Hello, can you hear me?"), 0.5, 3.0)
+    with browser.Page(f"{BASE}/?mode=manual", browser.write_mic_wav(tmp_path / "mic.wav", mic)) as page:
+        page.page.evaluate(RECORD_SENT)
+        page.connect()
+        assert page.state()["status"].startswith("connected"), page.state()
+        assert page.state()["micFrames"] == 0  # push-to-talk: nothing goes before Talk
+        talk(page, 30)
+        audio, _ = sent_until_turn_end(page)
+        s = page.state()
+    captured = s["talks"][0]["captured"]
+    assert sum(audio) == captured == s["talks"][0]["sent"], (audio, s["talks"])
+    assert all(n == FRAME for n in audio[:-1]) and 0 < audio[-1] <= FRAME, audio
+    assert audio[-1] == (captured % FRAME or FRAME)  # the partial frame is the last thing before turn.end
+    assert s["errors"] == [], s["errors"]
+
+
+def test_the_audio_runs_at_the_rates_session_ready_announces(server):
+    """A server announcing other rates (session.ready rewritten on its way to the page) gets
+    microphone frames at its input rate, and the replies are played at its output rate."""
+    def rewrite_ready(ws):
+        upstream = ws.connect_to_server()
+
+        def to_page(frame):
+            if isinstance(frame, bytes) and P.unpack(frame).get("type") == "session.ready":
+                frame = P.pack(dict(P.unpack(frame), input_sample_rate=8_000, output_sample_rate=48_000))
+            ws.send(frame)
+
+        upstream.on_message(to_page)
+        ws.on_message(upstream.send)
+
+    with browser.Page(f"{BASE}/?mode=manual") as page:
+        page.page.route_web_socket("**/v1/conversation*", rewrite_ready)
+        page.page.evaluate(RECORD_SENT)
+        page.connect()
+        s = page.state()
+        assert s["status"].startswith("connected"), s
+        assert s["rates"] == {"input": 8_000, "output": 48_000}
+        assert (s["microphone"]["sampleRate"], s["microphone"]["rate"]) == (8_000, 8_000)
+        assert (s["player"]["sampleRate"], s["player"]["rate"]) == (48_000, 48_000)
+        talk(page, 5)
+        audio, _ = sent_until_turn_end(page)
+    assert all(n == 320 for n in audio[:-1]), audio  # 40 ms at 8 kHz
+
+
+@pytest.mark.parametrize(("refused", "rate"), [("constructor", 24_000), ("microphone", 16_000)])
+def test_a_browser_that_refuses_the_rate_is_told_so(server, refused: str, rate: int):
+    """Where the browser will not run audio at the server's rates (REFUSES_THE_RATE), the page
+    does not resample it: it says so once, with the rate and the browser's error, stays "not
+    connected", and the session (hands-free, which would send from the start) gets no audio.
+    The player starts first, so a refusing constructor is met at the 24 kHz output rate."""
+    with browser.Page(BASE) as page:
+        page.page.evaluate(REFUSES_THE_RATE[refused])
+        page.page.evaluate(RECORD_SENT)
+        page.connect()
+        page.page.wait_for_timeout(1500)  # time for any audio to go
+        s = page.state()
+        shown = page.page.inner_text("#error")
+        assert page.page.is_visible("#error")
+        sent = page.page.evaluate("() => window.sent")
+    told = f"this browser cannot run audio at {rate} Hz (NotSupportedError): try Chromium"
+    assert s["errors"] == [{"code": "unsupported_sample_rate", "message": told}], s["errors"]
+    assert shown.count(told) == 1, shown
+    assert s["status"] == f"not connected: {told}", s["status"]
+    assert s["rates"] == {"input": 16_000, "output": 24_000}  # the session was ready
+    assert s["microphone"] is None and s["micFrames"] == 0
+    assert not [m for m in sent if m["type"] == "audio"], sent
+    assert not [c for c in page.console if c.startswith("pageerror")], page.console
+
+
+def test_an_error_before_session_ready_is_shown_once(server):
+    """A session option the server refuses: its bad_option error (instead of session.ready, then
+    close 1008) is told once, and the page stays "not connected"."""
+    with browser.Page(PAGE) as page:
+        page.page.evaluate("""() => {
+          const mode = document.getElementById('mode');
+          mode.add(new Option('bogus', 'bogus'));
+          mode.value = 'bogus';
+        }""")
+        page.connect()
+        page.page.wait_for_timeout(1500)  # the server's close arrives after its error
+        s = page.state()
+        shown = page.page.inner_text("#error")
+        assert page.page.is_visible("#error")
+    assert [e["code"] for e in s["errors"]] == ["bad_option"], s["errors"]
+    assert shown.count("bad_option") == 1, shown
+    assert s["status"].startswith("not connected"), s["status"]
+    assert s["messages"] == 0  # nothing before session.ready goes to the session's handlers
+
+
+def test_a_refused_token_is_told_apart_from_a_missing_one(server):
+    """POST /v1/session answers 401 unauthorized both without a token and with a wrong one (as a
+    server with auth on does; this one has auth off, so the answer is the browser's route):
+    without one the page asks for a token, with one it says the token was refused."""
+    asked = []
+
+    def refuse(route):
+        asked.append(route.request.headers.get("authorization"))
+        route.fulfill(status=401, headers={"WWW-Authenticate": "Bearer"}, content_type="application/json",
+                      body=json.dumps({"type": "error", "code": "unauthorized",
+                                       "message": "a valid Authorization: Bearer <token> header is required"}))
+
+    with browser.Page(PAGE) as page:
+        page.page.route("**/v1/session", refuse)
+        page.connect()
+        missing = page.state()
+        assert page.page.is_visible("#token")
+        page.connect(token="not-the-token-at-all")
+        wrong = page.state()
+        wrong_shown = page.page.inner_text("#error")
+        assert page.page.is_visible("#token")
+    assert asked == [None, "Bearer not-the-token-at-all"]
+    assert missing["status"].startswith("not connected") and "needs a token" in missing["status"]
+    assert wrong["status"].startswith("not connected") and "token was refused" in wrong["status"], wrong["status"]
+    assert "needs a token" not in wrong["status"] and "token was refused" in wrong_shown
+    assert [e["code"] for e in wrong["errors"]] == ["unauthorized", "unauthorized"]

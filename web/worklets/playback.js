@@ -1,4 +1,8 @@
-// Reply playback: a ring buffer of 24 kHz samples with a jitter buffer in front of it.
+// Reply playback: a ring buffer with a jitter buffer in front of it.
+//
+// The AudioContext runs at the server's output rate (from session.ready), so the replies'
+// samples are played as they are, and the counts this posts are in reply samples (`rate` in the
+// stats is that rate).
 //
 // A reply starts playing once `jitterSamples` of it are buffered (or its last chunk is in).
 // If the buffer runs dry before the reply's end, that is an underrun: it is counted (for the
@@ -8,9 +12,8 @@
 // In:  {type: "chunk", pcm: ArrayBuffer (int16), turn}, {type: "end", turn}, {type: "flush"},
 //      {type: "jitter", ms}
 // Out: {type: "started", turn, played} when a turn's first sample plays, {type: "underrun", turn},
-//      {type: "flushed", dropped, played}, and every ~50 ms {type: "stats", played, buffered, underruns}.
-const RATE = 24000;
-const CAPACITY = RATE * 30; // 30 s: far above what the server's pacing (0.3 s lead) ever sends ahead
+//      {type: "flushed", dropped, played}, and every ~50 ms {type: "stats", played, buffered, underruns, overflowed, rate}.
+const CAPACITY = sampleRate * 30; // 30 s: far above what the server's pacing (0.3 s lead) ever sends ahead
 
 class PlaybackProcessor extends AudioWorkletProcessor {
   constructor(options) {
@@ -19,7 +22,7 @@ class PlaybackProcessor extends AudioWorkletProcessor {
     this.read = 0; // total samples consumed
     this.write = 0; // total samples written
     this.segments = []; // [{turn, left}] in play order: which turn the buffered samples belong to
-    this.jitterSamples = Math.round((options.processorOptions.jitterMs / 1000) * RATE);
+    this.jitterSamples = Math.round((options.processorOptions.jitterMs / 1000) * sampleRate);
     this.playing = false;
     this.endedTurn = -1; // the newest turn whose last chunk is in
     this.startedTurn = -1;
@@ -55,7 +58,7 @@ class PlaybackProcessor extends AudioWorkletProcessor {
       this.playing = false;
       this.port.postMessage({ type: "flushed", dropped, played: this.played });
     } else if (msg.type === "jitter") {
-      this.jitterSamples = Math.round((msg.ms / 1000) * RATE);
+      this.jitterSamples = Math.round((msg.ms / 1000) * sampleRate);
     }
   }
 
@@ -94,10 +97,10 @@ class PlaybackProcessor extends AudioWorkletProcessor {
     }
     for (; i < out.length; i++) out[i] = 0;
     this.sinceStats += out.length;
-    if (this.sinceStats >= RATE / 20) {
+    if (this.sinceStats >= sampleRate / 20) {
       this.sinceStats = 0;
       this.port.postMessage({ type: "stats", played: this.played, buffered: this.buffered,
-                              underruns: this.underruns, overflowed: this.overflowed });
+                              underruns: this.underruns, overflowed: this.overflowed, rate: sampleRate });
     }
     return true;
   }
