@@ -469,3 +469,35 @@ def test_agents_sdk_function_tool_runs_and_the_agent_speaks_after_it(server):
     assert [e for e in events if e.type == "error"] == []
     assert len(ran) == 1 and ran[0] in ("Paris", "Rome")
     assert kinds.index("tool_start") < kinds.index("tool_end") < len(kinds) - 1 - kinds[::-1].index("audio")
+
+
+def test_two_hundred_long_typed_items_cost_other_sessions_nothing(server):
+    """One session adds 200 long user items (conversation.item.create, ~1800 characters each, no
+    reply asked): its history keeps only max_history_chars of them (the oldest are gone:
+    item_not_found), its next reply's prompt stays within the LLM's context, and a fresh session's
+    typed turn beside it is answered in full (before the history cap and the O(log n) prompt
+    trimming, such a session took the LLM thread for seconds per reply and starved the others)."""
+    from pipeline.llm.config import LLMConfig
+
+    long_text = ("Tell me more about the history of the harbour and its old lighthouse keepers, please. " * 21)[:1800]
+
+    async def go():
+        async with RealtimeConversation(REALTIME_URL) as flood, RealtimeConversation(REALTIME_URL) as witness:
+            await flood.update({"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+            for k in range(200):
+                await flood.send({"type": "conversation.item.create", "item": {
+                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": f"{k}: {long_text}"}]}})
+            await flood.wait_for(lambda e: len(flood.seen("conversation.item.added")) >= 200, timeout=120)
+            first = flood.seen("conversation.item.added")[0]["item"]["id"]
+            await flood.send({"type": "conversation.item.retrieve", "item_id": first, "event_id": "old"})
+            gone = await flood.wait_for(lambda e: e["type"] == "error", timeout=30)
+            witness_turn, flood_turn = await asyncio.gather(witness.say_text("Hello there."),
+                                                            flood.say_text("And what happened next?"))
+            return gone, witness_turn, flood_turn, flood.seen("response.done")[-1]["response"], witness.errors
+
+    gone, witness_turn, flood_turn, done, witness_errors = run(go())
+    assert (gone["error"]["code"], gone["error"]["event_id"]) == ("item_not_found", "old")
+    check_reply(witness_turn, witness_turn.status)
+    assert witness_errors == []
+    check_reply(flood_turn, flood_turn.status)
+    assert 0 < done["usage"]["input_tokens"] <= LLMConfig.tiny().max_context_tokens
