@@ -5,8 +5,9 @@
 # in a chroot, until /healthz answers 200. Prints how long each part took and a JSON line.
 # Needs root, debootstrap (installed if missing) and nothing else listening on port 8000.
 #   sudo bash scripts/fresh_machine_check.sh [ROOT_DIR]   (default /tmp/gapless-fresh-root; reused)
-# The chroot reaches the package registries the way this machine does: its DNS, and pip's
-# configuration and local wheel folders where the machine has them (read-only bind mounts).
+# The chroot reaches the package registries the way this machine does: its DNS, the extra CA
+# certificates it trusts (an egress proxy's), and pip's configuration and local wheel folders
+# where the machine has them (read-only bind mounts).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 root=${1:-/tmp/gapless-fresh-root}
@@ -23,12 +24,11 @@ bind() {  # bind "$1" read-only (or "rw") at the same path inside the root
   [ "${2:-ro}" = ro ] && mount -o remount,bind,ro "$root$1" || true
 }
 cleanup() {
-  pkill -f "$root" 2>/dev/null || true
   chroot "$root" bash -c 'cd /home/gapless 2>/dev/null && .venv/bin/ray stop --force' >/dev/null 2>&1 || true
   for ((i=${#mounted[@]}-1; i>=0; i--)); do umount -l "${mounted[$i]}" 2>/dev/null || true; done
 }
 trap cleanup EXIT
-bind /proc rw; bind /sys rw; bind /dev rw; bind /dev/shm rw
+bind /proc rw; bind /sys rw; bind /dev rw; bind /dev/pts rw; bind /dev/shm rw
 cp /etc/resolv.conf "$root/etc/resolv.conf"
 for p in /etc/pip.conf /etc/xdg/pip /opt/wheels /opt/pypi /opt/pypi-more; do
   [ -e "$p" ] || continue
@@ -39,6 +39,11 @@ env_pip=$(env | grep -E '^PIP_' | tr '\n' ' ' || true)
 # What the README assumes of a fresh machine: Python 3 (and git, to have the code).
 t1=$(now)
 chroot "$root" bash -c 'export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq --no-install-recommends python3 git ca-certificates >/dev/null'
+if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+  mkdir -p "$root/usr/local/share/ca-certificates"
+  cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/"
+  chroot "$root" update-ca-certificates >/dev/null
+fi
 rm -rf "$root/home/gapless"
 git clone -q "$repo" "$root/home/gapless"
 t_base=$(( $(now) - t1 ))
