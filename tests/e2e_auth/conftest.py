@@ -34,10 +34,10 @@ def auth_server():
     token = secrets.token_urlsafe(32)
     proc = ServeProcess(str(path), log_path=str(ROOT / "out" / "serve-auth.log"), env={"GAPLESS_TOKENS": token},
                         scheme="https")
+    proc.start()  # the server's own environment keeps the machine's CA bundle
     saved = os.environ.get("SSL_CERT_FILE")
     os.environ["SSL_CERT_FILE"] = str(tls / "cert.pem")
     try:
-        proc.start()
         proc.token = token
         yield proc
     finally:
