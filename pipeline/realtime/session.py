@@ -215,7 +215,7 @@ class RealtimeSession(WireSession):
         if len(audio) > MAX_APPEND_CHARS:
             raise ClientEventError("input_audio_buffer_append_too_large",
                                    f"an append's audio is at most {MAX_APPEND_CHARS} characters of base64 "
-                                   f"(15 MiB); got {len(audio)}", "audio")
+                                   f"(240 KiB); got {len(audio)}", "audio")
         try:
             pcm = self._decoder.decode(_base64(audio, "audio"))
         except ValueError as exc:
