@@ -12,6 +12,7 @@ from ray.serve import Application
 from deployments.gateway import Gateway
 from deployments.llm import LLM
 from deployments.stt import STT
+from deployments.tickets import TicketLedger
 from deployments.tts import TTS
 from pipeline import metrics
 from pipeline.auth import AuthConfig, load_tokens
@@ -93,4 +94,4 @@ def build_app(args: dict[str, Any]) -> Application:
     if os.environ.get(metrics.MULTIPROC_ENV):
         metrics.prepare_multiproc_dir(os.environ[metrics.MULTIPROC_ENV])
     return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"],
-                        cfg["tts"].voice_names())
+                        cfg["tts"].voice_names(), TicketLedger.bind())

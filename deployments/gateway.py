@@ -22,7 +22,7 @@ from deployments import proxy_limits
 from pipeline import metrics
 from pipeline import protocol as P
 from pipeline.admission import Gatekeeper, Handshake, Refused
-from pipeline.auth import AuthConfig, Authenticator, load_tokens
+from pipeline.auth import TICKET_PARAM, AuthConfig, Authenticator, load_tokens
 from pipeline.client_limits import ClientLimits
 from pipeline.connection import ClientGone, SessionRegistry, refuse_options, serve_connection, session_options
 from pipeline.listening import warm_listening
@@ -187,10 +187,11 @@ async def _deny(ws: WebSocket, refused: Refused) -> None:
 @serve.ingress(api)
 class Gateway:
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
-                 auth: dict, voices: tuple[str, ...] = ("default",)):
+                 auth: dict, voices: tuple[str, ...] = ("default",), tickets: DeploymentHandle | None = None):
         self.backends = RayBackends(stt, llm, tts)
         self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
+        self.tickets = tickets  # the redeemed-ticket record every gateway replica shares (deployments/tickets.py)
         self.session_cfg = self._session_config(dict(session))
         for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT, P.E_SERVER_BUSY, P.E_IDLE_TIMEOUT, P.E_TURN_TOO_LONG,
                      P.E_ENGINE_UNAVAILABLE, P.E_AUDIO_TOO_FAST):
@@ -294,6 +295,7 @@ class Gateway:
         hs = Handshake(dict(ws.headers), dict(ws.query_params), self.gate.auth.address_of(ws))
         try:
             admission = self.gate.admit(hs)
+            await self._claim_ticket(hs, admission)
         except Refused as refused:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             await _deny(ws, refused)
@@ -303,6 +305,24 @@ class Gateway:
             await serve(hs, WebSocketConnection(ws))
         finally:
             admission.release()
+
+    async def _claim_ticket(self, hs: Handshake, admission) -> None:
+        """A ticket admitted here is also claimed in the shared ledger, so it opens one connection
+        across all gateway replicas, not one on each (its signature and age were checked by admit).
+        Used elsewhere: 401; the ledger unreachable: 503 (tickets fail closed; tokens go on)."""
+        ticket = hs.query.get(TICKET_PARAM)
+        if self.tickets is None or ticket is None or self.gate.auth.open:
+            return
+        nonce, until = self.gate.auth.verify(ticket)
+        try:
+            first = await asyncio.wait_for(self.tickets.claim.remote(nonce, until), timeout=2.0)
+        except Exception:  # noqa: BLE001 - the ledger's replica is gone or busy
+            admission.release()
+            raise Refused("server_busy", "tickets cannot be checked right now; try again shortly, "
+                                         "or connect with the bearer token") from None
+        if not first:
+            admission.release()
+            raise Refused("unauthorized", "the ticket was already used; each ticket opens one connection")
 
     @api.websocket("/v1/conversation")
     async def conversation(self, ws: WebSocket) -> None:

@@ -16,8 +16,8 @@ Framework-free; the gateway calls it on every handshake before the WebSocket upg
   The HMAC key is derived from the token set, so every gateway replica that holds the same
   tokens verifies tickets any of them issued. Redeemed tickets are recorded in a
   ``RedeemedTickets`` store until they expire; the default, ``LocalRedeemed``, is this
-  process's, so with several gateway replicas a ticket could be redeemed once on each of them
-  within its lifetime, unless the gateway passes a store they share.
+  process's. The gateway also claims each ticket in the ledger all its replicas share
+  (deployments/tickets.py), so a ticket opens one connection across replicas.
 - **Origin**: a handshake that carries an ``Origin`` header (every browser's does) must come
   from the page's own origin or from one listed in ``allowed_origins``. Without this check any
   web site a user visits could open sessions on a server the user can reach.
