@@ -8,7 +8,8 @@ Four phases, one session each, all in real time with espeak-ng speech (load/spee
 - cut-offs: "I would like to book a flight to ... Paris on Friday." with a 500 ms pause, `rounds`
   times: each must be one turn, never two;
 - barge-in: a reply plays, a person starts speaking over it after ~1 s of its audio; speech onset
-  (as spoken) to ``response.done interrupted``;
+  (as spoken) to ``response.done interrupted``; then the same with the person starting as the
+  reply's first chunk arrives (a user who says "no, wait" at once);
 - echo: the client plays the reply on a speakerphone (its audio back into the microphone at
   -10 dB, 150 ms later, load/speakerphone.py), `rounds` replies: interruptions counted (want 0);
   then the same with a person speaking over the echo (want each interrupted, and how fast).
@@ -68,9 +69,10 @@ async def _stream_mic(conv: Conversation, t0: float, seconds: float, frame_of, u
 
 
 async def reply_with_mic(url: str, person: np.ndarray | None, echo: bool, seconds: float = 6.0,
-                         token: str | None = None) -> dict:
+                         token: str | None = None, after_s: float = 1.0) -> dict:
     """A typed turn's reply plays (on a speakerphone if ``echo``); with ``person``, they start to
-    speak after ~1 s of reply audio. Returns whether the reply was interrupted and how fast."""
+    speak once more than ``after_s`` of reply audio has arrived (0: at its first chunk). Returns
+    whether the reply was interrupted and how fast."""
     async with Conversation(url, token=token) as conv:
         t0 = time.monotonic()
         phone = Speakerphone(t0)
@@ -93,7 +95,7 @@ async def reply_with_mic(url: str, person: np.ndarray | None, echo: bool, second
                     phone.flush(tr.done_at)
             x = phone.echo(k, n) * 32768.0 if echo else np.zeros(n, np.float32)
             if person is not None:
-                if not person_at and played_s() >= 1.0:
+                if not person_at and played_s() > after_s:
                     person_at.append(k)
                 if person_at:
                     seg = person[k - person_at[0]:k - person_at[0] + n]
@@ -128,9 +130,11 @@ async def main_async(args) -> dict:
                 "hands_free_turns": {"clips": len(clips) * 2, "turns": turns}}
     _, paused_turns = await hands_free(args.url, [paused] * args.rounds, args.token)
     barge = [await reply_with_mic(args.url, person, echo=False, token=args.token) for _ in range(args.rounds)]
+    first = [await reply_with_mic(args.url, person, echo=False, token=args.token, after_s=0.0) for _ in range(args.rounds)]
     echo_only = [await reply_with_mic(args.url, None, echo=True, token=args.token) for _ in range(args.rounds)]
     echo_person = [await reply_with_mic(args.url, person, echo=True, token=args.token) for _ in range(args.rounds)]
     b_ms = [r["barge_in_ms"] for r in barge if "barge_in_ms" in r]
+    f_ms = [r["barge_in_ms"] for r in first if "barge_in_ms" in r]
     e_ms = [r["barge_in_ms"] for r in echo_person if "barge_in_ms" in r]
     return {
         "voice_to_voice_ms": {"n": len(v2v), "p50": _pct(v2v, 50), "p95": _pct(v2v, 95), "max": max(v2v, default=None)},
@@ -141,6 +145,8 @@ async def main_async(args) -> dict:
         "hands_free_turns": {"clips": len(clips) * 2, "turns": turns},
         "paused_sentence": {"runs": args.rounds, "turns": paused_turns, "cut": paused_turns - args.rounds},
         "barge_in_ms": {"n": len(b_ms), "of": len(barge), "p50": _pct(b_ms, 50), "p95": _pct(b_ms, 95), "max": max(b_ms, default=None)},
+        "barge_in_first_chunk_ms": {"n": len(f_ms), "of": len(first), "p50": _pct(f_ms, 50), "p95": _pct(f_ms, 95),
+                                    "max": max(f_ms, default=None)},
         "echo_false_barge_ins": {"replies": len(echo_only), "interrupted": sum(r["interrupted"] for r in echo_only),
                                  "reply_audio_s_median": _pct([r["audio_s"] for r in echo_only], 50)},
         "barge_in_over_echo_ms": {"n": len(e_ms), "of": len(echo_person), "p50": _pct(e_ms, 50), "max": max(e_ms, default=None)},
@@ -167,6 +173,9 @@ def main() -> None:
             ("paused sentence: runs cut", "{cut} of {runs}".format(**res["paused_sentence"])),
             ("barge-in p50 / p95 / max (ms)", "{p50:.0f} / {p95:.0f} / {max:.0f} ({n} of {of} interrupted)".format(**res["barge_in_ms"])
              if res["barge_in_ms"]["n"] else "none interrupted"),
+            ("barge-in at the first chunk p50 / p95 / max (ms)",
+             "{p50:.0f} / {p95:.0f} / {max:.0f} ({n} of {of} interrupted)".format(**res["barge_in_first_chunk_ms"])
+             if res["barge_in_first_chunk_ms"]["n"] else "none interrupted"),
             ("echo only: replies interrupted", "{interrupted} of {replies}".format(**res["echo_false_barge_ins"])),
             ("person over echo: barge-in p50 / max (ms)", "{p50:.0f} / {max:.0f} ({n} of {of})".format(**res["barge_in_over_echo_ms"])
              if res["barge_in_over_echo_ms"]["n"] else "none interrupted"),

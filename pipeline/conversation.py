@@ -311,8 +311,13 @@ class Conversation:
                 break
 
     def _should_barge_in(self) -> bool:
-        """Barge-in by words: a non-empty partial from loud enough audio."""
-        return "words" in self.cfg.barge_in_mode and self.heard.loud and self._reply_interruptible()
+        """Barge-in by words: a non-empty partial from loud enough audio, unless the microphone may
+        carry the reply's echo (the recogniser hears the raw audio) and the VAD, judging the
+        echo-cancelled audio, hears no speech."""
+        if not ("words" in self.cfg.barge_in_mode and self.heard.loud and self._reply_interruptible()):
+            return False
+        echo = self.ears.echo if self.ears is not None else None
+        return echo is None or not echo.use_cancelled or self.ears.speaking
 
     def _reply_interruptible(self) -> bool:
         reply = self.reply

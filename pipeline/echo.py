@@ -12,13 +12,19 @@ room) itself; the reference is early, never late, which is what it needs.
 
 AEC3 has to learn the echo path before it lets speech through: with a reply playing and no echo
 at all (a headset), it held back a person's speech for ~1 s at the start of a session (a VAD
-onset 1016 ms late against 120 ms without it, tests/test_turn_taking.py). So the canceller also
-tells whether there is an echo to cancel (:attr:`echo_heard`): every 250 ms while the reply
-plays, the normalised cross-correlation of the last second of microphone audio with the
-reference, over delays of 0-500 ms. A peak over ``ECHO_CORRELATION`` means the microphone hears
-the reply (from then on, for the session, the VAD judges the cancelled audio); 0.5 s of loud
-reply audio with no such peak means it does not (the VAD judges the raw audio, as fast as with no
-canceller). Until either is known the cancelled audio is used.
+onset 1016 ms late against 120 ms without it, tests/test_turn_taking.py), and ~0.6 s for a
+person who spoke at the reply's first chunk. So the canceller also tells whether the microphone
+carries the reply (:attr:`use_cancelled`): while a reply plays, the normalised cross-correlation
+of the last second of microphone audio with the reference, over delays of 0-500 ms, every
+100 ms until it is known and every 250 ms after. The echo alone peaks near 1.0; a person (with
+or without the echo under them) far lower. An echo is heard (from then on, for the session, the
+VAD judges the cancelled audio) when a peak is unmistakable (``ECHO_CERTAIN``), or over
+``ECHO_CORRELATION`` at the same delay in every check over a whole window (an echo path's
+delay holds; a chance likeness between two voices, seen again by overlapping windows, does not:
+two espeak voices peaked 0.28-0.40 at one delay over 0.5 s). A loud microphone that the reply does not explain is a
+person: the VAD judges the raw audio at once, so speech at the reply's very first chunk barges
+in as fast as later. 0.5 s of loud reply audio with no echo heard means there is none (the raw
+audio from then on). Until anything is known the cancelled audio is used.
 
 Cost, with the VAD after it: ~22 ms of CPU per second of microphone audio per session while a
 reply plays (~4 ms with nothing playing), of which ~1 ms per echo check (docs/turn-taking.md).
@@ -35,12 +41,15 @@ BLOCK = 160  # 10 ms: the block size the module takes
 REFERENCE_S = 20.0  # reply audio laid ahead on the microphone clock, at most (bounded)
 WINDOW = RATE  # microphone audio correlated with the reference (1 s)
 MAX_DELAY = RATE // 2  # delays looked at: 0-500 ms after the reference
-CHECK_EVERY = RATE // 4
+CHECK_EVERY = RATE // 4  # once it is known whether the microphone hears the reply
+FIRST_CHECK_EVERY = RATE // 10  # until then: the first 0.5 s of a session's reply decides fast
 # Peak normalised correlation that means "the microphone hears the reply". Measured on espeak-ng
 # speech (tests/test_turn_taking.py): a -10 dB echo alone 0.98-1.0; a person as loud as the
 # reply on top of it 0.27-0.54; no echo, a person talking (the same espeak voice as the reply,
 # so the worst case for chance correlation) 0.00-0.16.
 ECHO_CORRELATION = 0.25
+ECHO_CERTAIN = 0.8  # one peak this high is the echo alone (measured 0.98-1.0; a person over it <= 0.61)
+SAME_DELAY = 32  # samples (2 ms): two peaks this close are one echo path
 QUIET_MIC = 0.001  # RMS (of full scale): a microphone this quiet while the reply is loud hears no echo
 LOUD_REFERENCE = 0.005  # RMS (of full scale) of reference audio that should echo audibly
 NO_ECHO_AFTER = RATE // 2  # samples of loud reference with no echo heard before trusting the raw audio
@@ -63,6 +72,9 @@ class EchoCanceller:
         self._since_check = 0
         self._loud_checked = 0  # samples of loud reference the echo check has looked at
         self.echo_heard = False  # the microphone has been heard carrying the reply (sticky)
+        self.person_heard = False  # the last check heard a loud microphone the reply does not explain
+        self._echo_delay: int | None = None  # delay of the last check's peak, if over ECHO_CORRELATION
+        self._echo_since = 0  # mic position of the first check of a run of peaks at that delay
         self.last_correlation = 0.0
 
     def played(self, pcm_24k: np.ndarray) -> None:
@@ -91,31 +103,47 @@ class EchoCanceller:
         return out
 
     @property
-    def use_cancelled(self) -> bool:
-        """Whether the VAD should judge the cancelled audio (an echo was heard, or it is not yet
-        known that there is none) rather than the raw audio."""
-        return self.echo_heard or self._loud_checked < NO_ECHO_AFTER
+    def known(self) -> bool:
+        """Whether it is known if the microphone hears the reply (an echo heard, or none after
+        NO_ECHO_AFTER samples of loud reply audio)."""
+        return self.echo_heard or self._loud_checked >= NO_ECHO_AFTER
 
-    def _check_echo(self) -> None:
+    @property
+    def use_cancelled(self) -> bool:
+        """Whether the VAD should judge the cancelled audio (an echo was heard, or nothing is known
+        yet and the microphone is not a person the reply does not explain) rather than the raw."""
+        return self.echo_heard or (not self.known and not self.person_heard)
+
+    def _check_echo(self, span: int) -> None:
+        """Correlate the last second of microphone audio with the reference; ``span`` samples of
+        it are new since the last check."""
         end = self._out_pos
         ref = self._reference(end - WINDOW - MAX_DELAY, WINDOW + MAX_DELAY).astype(np.float32) / 32768.0
         recent = ref[MAX_DELAY:]
         if np.sqrt(np.mean(recent ** 2)) < LOUD_REFERENCE:
             return  # nothing audible played in this second: nothing to tell from it
         mic = np.pad(self._raw.last(WINDOW).astype(np.float32) / 32768.0, (WINDOW - min(WINDOW, self._raw.written), 0))
-        self._loud_checked += CHECK_EVERY
+        self._loud_checked += span
         if np.sqrt(np.mean(mic ** 2)) < QUIET_MIC:
-            self.last_correlation = 0.0
+            self.last_correlation, self.person_heard, self._echo_delay = 0.0, False, None
             return  # the reply is loud and the microphone silent: no echo
         # corr[i]: the microphone against the reference i samples later than a delay of MAX_DELAY
         corr = fftconvolve(ref, mic[::-1], mode="valid")
         sq = np.concatenate([[0.0], np.cumsum(ref.astype(np.float64) ** 2)])
         ref_energy = sq[WINDOW:] - sq[:-WINDOW]
         audible = ref_energy > 0.01 * ref_energy.max()  # a near-silent stretch of reference says nothing
-        denom = np.sqrt(ref_energy[audible] * float(np.dot(mic, mic)))
-        self.last_correlation = float(np.max(np.abs(corr[audible]) / denom))
-        if self.last_correlation >= ECHO_CORRELATION:
+        score = np.zeros(len(corr))
+        score[audible] = np.abs(corr[audible]) / np.sqrt(ref_energy[audible] * float(np.dot(mic, mic)))
+        peak = int(np.argmax(score))
+        self.last_correlation = float(score[peak])
+        delay = MAX_DELAY - peak
+        echo_like = self.last_correlation >= ECHO_CORRELATION
+        if not (echo_like and self._echo_delay is not None and abs(delay - self._echo_delay) <= SAME_DELAY):
+            self._echo_since = end  # a new run of peaks (or none)
+        if self.last_correlation >= ECHO_CERTAIN or (echo_like and end - self._echo_since >= WINDOW):
             self.echo_heard = True
+        self._echo_delay = delay if echo_like else None
+        self.person_heard = not echo_like
 
     def process(self, pcm: np.ndarray) -> np.ndarray:
         """Microphone int16 16 kHz in; the echo-cancelled audio of every whole 10 ms block so far out
@@ -140,7 +168,7 @@ class EchoCanceller:
         self._out_pos += n
         if self._out_pos < self.active_until + RATE:  # a reply plays, or just did
             self._since_check += n
-            if self._since_check >= CHECK_EVERY:
-                self._since_check = 0
-                self._check_echo()
+            if self._since_check >= (CHECK_EVERY if self.known else FIRST_CHECK_EVERY):
+                span, self._since_check = self._since_check, 0
+                self._check_echo(span)
         return out if self.use_cancelled else buf[:n]

@@ -37,11 +37,15 @@ class SessionConfig:
     # Barge-in: user speech while a reply plays interrupts it. "vad": once the VAD has heard
     # barge_in_min_speech_ms of speech; "words": once the recogniser hears words (a non-empty
     # partial) in audio louder than barge_in_min_rms; "vad+words": whichever comes first; "off"
-    # (or false). true means "vad". No interruption in the reply's first barge_in_grace_s.
+    # (or false). true means "vad". Speech interrupts from the reply's first chunk: the echo
+    # canceller tells the user from the reply's own echo (echo.py), and words heard while the
+    # microphone may carry the echo interrupt only with VAD speech in the cancelled audio.
     barge_in: bool | str = "vad"
     barge_in_min_speech_ms: float = 150
     barge_in_min_rms: float = 0.01  # of int16 full scale; quieter audio never interrupts by words
-    barge_in_grace_s: float = 0.5  # no interruption during the reply's first audio
+    # No interruption in the reply's first barge_in_grace_s of audio (0: none; was 0.5 s before the
+    # echo canceller's check made it unneeded; kept for clients that want one).
+    barge_in_grace_s: float = 0.0
     # CSM context: the last N turns with audio (user audio encoded once, bot codes as generated).
     context_turns: int = 6
     # The conversation history a session keeps (docs/protocol.md, "Session limits"): past this many

@@ -149,6 +149,44 @@ def test_person_over_the_echo_is_still_heard(bot_reply):
     assert started and 0 <= started[0] - onset <= 0.4 * RATE
 
 
+def _listen_paced(mic: np.ndarray, reply_24k: np.ndarray, lead_s: float = 0.3, frame: int = 320):
+    """A listener whose reply is sent as a session paces it (``lead_s`` ahead of the microphone
+    clock, from its first chunk at microphone sample 0) while it hears ``mic``."""
+    ears = Listener(VADSettings(), echo_cancellation=True)
+    events, sent = [], 0
+    for i in range(0, len(mic), frame):
+        while sent < len(reply_24k) and sent / 24_000 < i / RATE + lead_s:
+            ears.played(reply_24k[sent:sent + 1920])
+            sent += 1920
+        events += ears.hear(np.clip(mic[i:i + frame], -32768, 32767).astype(np.int16))
+    return events, ears
+
+
+@pytest.mark.parametrize("echo", [False, True], ids=["headset", "speakerphone"])
+@pytest.mark.parametrize("onset_s", [0.0, 0.1])
+def test_person_at_the_replys_first_chunk_is_heard_at_once(bot_reply, echo, onset_s):
+    """A person who speaks as the reply starts is heard as soon as one with no reply playing (VAD
+    onset ~0.1 s): AEC3, not yet knowing the echo path, held them back 0.58-0.83 s; the
+    canceller's check hears a microphone the reply does not explain and lets the raw audio
+    through. The same espeak voice as the reply's (the worst case for a chance likeness) is not
+    taken for its echo."""
+    reply_16k, reply_24k = bot_reply
+    person = speech.espeak("Stop, wait a moment please.")
+    mic = _speakerphone(reply_16k.astype(np.float64))[:3 * RATE] if echo else np.zeros(3 * RATE)
+    onset = int(onset_s * RATE)
+    mic[onset:onset + len(person)] += person[:len(mic) - onset]
+    events, ears = _listen_paced(mic, reply_24k)
+    started = [e.sample for e in events if e.kind == "speech.started"]
+    assert started and 0 <= started[0] - onset <= 0.2 * RATE, started
+    assert ears.echo.echo_heard is echo
+
+
+def test_echo_alone_from_the_replys_first_chunk_is_not_speech(bot_reply):
+    reply_16k, reply_24k = bot_reply
+    events, ears = _listen_paced(_speakerphone(reply_16k.astype(np.float64)), reply_24k)
+    assert events == [] and ears.echo.echo_heard
+
+
 def test_echo_canceller_passes_audio_untouched_when_nothing_plays(sentence):
     out = EchoCanceller().process(sentence)
     n = len(sentence) // 160 * 160
@@ -289,11 +327,13 @@ class PhoneRecorder(Recorder):
             self.phone.flush(time.monotonic())
 
 
-@pytest.mark.parametrize("case", ["echo", "echo_without_canceller", "person_over_echo"])
+@pytest.mark.parametrize("case", ["echo", "echo_without_canceller", "person_over_echo", "person_at_first_chunk",
+                                  "headset_person_at_first_chunk"])
 def test_barge_in_by_voice_and_not_by_echo(engines, bot_reply, case):
     """Real time, speakerphone client: the reply's echo (-10 dB, 150 ms) does not interrupt it
-    while the echo canceller runs (and does without it: the check can fail); a person speaking
-    over the reply does interrupt it."""
+    while the echo canceller runs, its first chunks included (and does without it: the check can
+    fail); a person speaking over the reply does interrupt it, ~1 s in or from its first chunk,
+    over the echo or on a headset, with the session's default settings (no grace period)."""
     person = speech.espeak("Stop, wait a moment please.")
     voice = SpeechVoice(engines, bot_reply[1])
 
@@ -301,30 +341,39 @@ def test_barge_in_by_voice_and_not_by_echo(engines, bot_reply, case):
         t0 = time.monotonic()
         phone = Speakerphone(t0)
         rec = PhoneRecorder(phone)
-        cfg = SessionConfig(barge_in_grace_s=0.0, echo_cancellation=case != "echo_without_canceller")
+        cfg = SessionConfig(echo_cancellation=case != "echo_without_canceller")
         s = Session(rec, voice, cfg)
         await s.start()
         await s.on_frame(P.client_text("Tell me a long story."))
+        nonlocal heard_at
         person_at = None
+        sent_before = 12 if case == "person_over_echo" else 0  # ~1 s of reply has been sent; its first chunk
         for k in range(0, 4 * RATE, 320):  # 4 s of microphone, in real time
             await asyncio.sleep(max(0.0, t0 + k / RATE - time.monotonic()))
-            mic = phone.echo(k, 320) * 32768.0
-            if case == "person_over_echo":
-                if person_at is None and len(rec.of("audio")) > 12:  # ~1 s of reply has been sent
+            mic = phone.echo(k, 320) * 32768.0 if case != "headset_person_at_first_chunk" else np.zeros(320)
+            if case.startswith(("person", "headset")):
+                if person_at is None and len(rec.of("audio")) > sent_before:
                     person_at = k
                 if person_at is not None:
                     mic += np.pad(person[k - person_at:k - person_at + 320], (0, 320))[:320]
             await s.on_frame(P.client_audio(np.clip(mic, -32768, 32767).astype(np.int16)))
+            if heard_at is None and any(m["interrupted"] for m in rec.of("response.done")):
+                heard_at = k + 320  # the microphone frame that interrupted the reply (frames are handled in turn)
         await s.close()
-        return rec
+        return rec, person_at, heard_at
 
-    rec = asyncio.run(go())
+    heard_at = None
+    rec, person_at, heard_at = asyncio.run(go())
     interrupted = [m for m in rec.of("response.done") if m["interrupted"]]
     assert rec.of("audio")  # the reply did play
     if case == "echo":
         assert interrupted == []
     else:
         assert interrupted[:1] == [{"type": "response.done", "turn": 1, "interrupted": True}]
+    if case.endswith("first_chunk"):
+        # On the microphone's own clock (not wall time): VAD onset ~0.13 s + 150 ms of speech. With
+        # the 0.5 s grace period and AEC3 holding the person back it was over 0.75 s.
+        assert (heard_at - person_at) / RATE <= 0.5, (heard_at - person_at) / RATE
 
 
 def test_turn_taking_settings_are_validated():
