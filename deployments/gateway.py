@@ -286,6 +286,7 @@ class Gateway:
             on_error=lambda code: metrics.ERRORS.labels(code=code).inc(),
             on_turn_end=lambda by: metrics.TURN_ENDS.labels(by=by).inc(),
             on_smart_turn=metrics.SMART_TURN.observe,
+            on_speculation=lambda outcome: metrics.SPECULATIONS.labels(outcome=outcome).inc(),
         )
 
     async def _serve_websocket(self, ws: WebSocket, serve) -> None:

@@ -120,6 +120,8 @@ CLIENT_OPTIONS = {
     "echo_cancellation": _flag,  # a client that cancels echo itself (a browser) may turn the server's off
     "barge_in": lambda name, value: value,  # "vad" | "words" | "vad+words" | "off", validated by SessionConfig
     "vad_events": _flag,  # speech.started / speech.stopped wanted or not
+    "resume_false_interruption": _flag,  # a client that handles response.paused / response.resumed
+    "preemptive_generation": _flag,
 }
 
 

@@ -44,6 +44,7 @@ from pipeline.history import History, Item, new_id
 from pipeline.listening import Listener
 from pipeline.reply import CANCELLED, Reply
 from pipeline.session_config import SessionConfig
+from pipeline.speculation import CANCELLED as SPECULATION_CANCELLED, HIT, MISS, Speculation
 from pipeline.tts.prompt import BOT_SPEAKER, USER_SPEAKER, Segment
 from pipeline.vad import SAMPLE_RATE as VAD_RATE, VADEvent
 
@@ -66,6 +67,10 @@ class ConversationEvents(Protocol):
     async def reply_text(self, reply: Reply, delta: str) -> None: ...
     async def reply_audio(self, reply: Reply, pcm: np.ndarray, seq: int) -> None: ...
     async def reply_done(self, reply: Reply) -> None: ...  # reply.status says how it ended
+    # speech over the reply that may be no turn (resume_false_interruption): it stops sending until
+    # the speech ends as a backchannel (resumed where it paused) or as a turn (then done, cancelled)
+    async def reply_paused(self, reply: Reply) -> None: ...
+    async def reply_resumed(self, reply: Reply) -> None: ...
     async def tool_call(self, reply: Reply, call: ToolCall, item: Item) -> None: ...  # the client runs it
     # a call whose result is no longer wanted: reason "cancelled" (the user spoke) or "timeout"
     async def tool_cancelled(self, call: ToolCall, turn: int, reason: str) -> None: ...
@@ -98,6 +103,8 @@ class Conversation:
         self.context: list[Segment] = []  # CSM context, oldest first
         self._encoding: asyncio.Task | None = None  # the last user turn's audio joining the context
         self.reply: Reply | None = None
+        self._speculation: Speculation | None = None  # the LLM started at the open turn's last pause
+        self.speculations: dict[str, int] = {}  # outcomes so far: hit, miss, cancelled (for tests and tools)
         self.calls = ToolCalls()  # the tool calls this conversation waits on
         self.deadline_changed = asyncio.Event()  # set when next_deadline() moved earlier between frames
         self._after_calls: tuple[str, dict] | None = None  # what follows once they are settled, and its settings
@@ -152,6 +159,7 @@ class Conversation:
         if self.closed:
             return
         self.closed = True
+        await self._drop_speculation(SPECULATION_CANCELLED)
         await self._interrupt(send_done=False)
         if self._encoding is not None:
             self._encoding.cancel()
@@ -178,7 +186,7 @@ class Conversation:
                 await self.events.speech(ev.kind, 1000 * ev.sample / VAD_RATE, self.heard.item_id)
         if "vad" in self.cfg.barge_in_mode and self.ears.vad.speech_ms >= self.cfg.barge_in_min_speech_ms:
             if self._reply_interruptible():
-                await self._interrupt(send_done=True, reason="turn_detected")
+                await self._barge_in()
             if self.calls.waiting:  # the user speaks over a pending tool call: it is not waited for any more
                 await self._cancel_calls()
         if self.cfg.turn_detection == "manual" or self.heard.open:
@@ -234,6 +242,7 @@ class Conversation:
 
     async def clear_audio(self) -> None:
         """Drop the open spoken turn's audio (Realtime ``input_audio_buffer.clear``)."""
+        await self._drop_speculation(SPECULATION_CANCELLED)
         await self.recogniser.release()
         self.recogniser.drop()
 
@@ -258,8 +267,10 @@ class Conversation:
         heard = self.heard
         if self.ears.speaking:
             heard.eot_deadline = None
+            await self._drop_speculation(SPECULATION_CANCELLED)  # the user speaks on
             return
         if any(ev.kind == "speech.stopped" for ev in events):
+            await self._speculate()
             p = 1.0
             if self.cfg.eot_threshold > 0:
                 started = self.clock()
@@ -303,8 +314,10 @@ class Conversation:
         for ev in await self.recogniser.push(pcm):
             if ev["kind"] == "partial" and ev["text"]:
                 heard.partial += ev["text"]
-                if heard.partial.strip() and self._should_barge_in():
-                    await self._interrupt(send_done=True, reason="turn_detected")
+                if self._reply_paused() and self._says_something(heard.partial):
+                    await self._interrupt(send_done=True, reason="turn_detected")  # words: a turn, not a backchannel
+                elif heard.partial.strip() and self._should_barge_in():
+                    await self._barge_in()
                 await self.events.transcript_delta(self.turn + 1, heard.item_id, ev["text"], heard.partial)
             elif ev["kind"] == "endpoint":
                 await self._end_turn(by="endpoint")
@@ -318,6 +331,33 @@ class Conversation:
             return False
         echo = self.ears.echo if self.ears is not None else None
         return echo is None or not echo.use_cancelled or self.ears.speaking
+
+    async def _barge_in(self) -> None:
+        """The user speaks over the playing reply: it ends; or, with ``resume_false_interruption``,
+        while nothing they said so far is more than a backchannel, it pauses until their speech
+        ends as a turn (then it ends) or as no turn (then it resumes)."""
+        reply = self.reply
+        if not self.cfg.resume_false_interruption or self._says_something(self.heard.partial):
+            await self._interrupt(send_done=True, reason="turn_detected")
+        elif not reply.paused:
+            reply.pause()
+            if self.ears is not None:
+                self.ears.stop_playback()  # the client stops playing it
+            await self.events.reply_paused(reply)
+
+    def _reply_paused(self) -> bool:
+        return self.reply is not None and self.reply.running and self.reply.paused
+
+    async def _resume_reply(self) -> None:
+        """The speech that paused the reply was no turn: it goes on where it paused."""
+        if self._reply_paused():
+            self.reply.resume()
+            await self.events.reply_resumed(self.reply)
+
+    def _says_something(self, text: str) -> bool:
+        """Whether ``text`` holds a word that is not a backchannel ("mm-hm", "yeah", ...)."""
+        words = [w.strip(".,!?;:'\"-").lower() for w in text.split()]
+        return any(w and w not in self.cfg.backchannel_words for w in words)
 
     def _reply_interruptible(self) -> bool:
         reply = self.reply
@@ -345,6 +385,24 @@ class Conversation:
         if heard.open and not heard.holds_slot:
             self.recogniser.drop()  # refused: nothing was heard, so nothing is sent and no number is used
             if typed_text is None:
+                await self._drop_speculation(MISS)
+                await self._resume_reply()
+                return None
+        finished = None  # the recogniser's result, where it had to be known before the reply's fate
+        if typed_text is None and heard.open and self._reply_paused():
+            try:
+                finished = await self.recogniser.finish()  # gives the slot back
+            except EngineUnavailable as exc:
+                self.recogniser.drop()
+                await self.error(E_ENGINE_UNAVAILABLE, f"the recogniser did not finish this turn ({exc}); "
+                                 "its audio is lost (the session stays open; speak again)")
+                finished = ("", [])
+            if not self._says_something(finished[0]):  # a backchannel, or nothing: no turn, no number
+                self.recogniser.drop()
+                self._ended_by_server = self.cfg.turn_detection == "vad" and by in ("smart_turn", "silence",
+                                                                                   "endpoint", "max_turn")
+                await self._drop_speculation(MISS)
+                await self._resume_reply()
                 return None
         if typed_text is not None and self.heard.open:
             await self._end_turn(respond=respond)  # spoken audio in flight becomes its own turn first
@@ -354,11 +412,15 @@ class Conversation:
         heard = self.heard
         if typed_text is not None:
             text = typed_text
+        elif finished is not None:
+            text, words = finished
+            user_audio = heard.joined_audio() if heard.audio else None
         elif heard.open:
             try:
                 text, words = await self.recogniser.finish()  # gives the slot back
             except EngineUnavailable as exc:
                 self.recogniser.drop()  # nothing to answer: no turn number is used
+                await self._drop_speculation(MISS)
                 await self.error(E_ENGINE_UNAVAILABLE, f"the recogniser did not finish this turn ({exc}); "
                                  "its audio is lost (the session stays open; speak again)")
                 return None
@@ -381,6 +443,8 @@ class Conversation:
             self.cfg.on_turn_end(by)
         if respond:
             await self._start_reply(ended_at, overrides or {}, answers=item.text)
+        else:
+            await self._drop_speculation(MISS)
         return item
 
     async def _encode_user_turn(self, text: str, pcm: np.ndarray) -> None:
@@ -442,11 +506,59 @@ class Conversation:
             # a reply to tool results may call again, but is not made to: "required" would loop forever
             settings = dataclasses.replace(settings, tool_choice="auto")
         messages = None if answers == "" else settings.messages(self.history.messages())
+        llm = await self._take_speculation(messages, settings) if script is None and messages is not None else None
         encoding, self._encoding = self._encoding, None
-        reply = self.reply = Reply(self, self.turn, messages, settings, ended_at, encoding, overrides, script, record)
+        reply = self.reply = Reply(self, self.turn, messages, settings, ended_at, encoding, overrides, script, record,
+                                   llm=llm)
         await self.events.reply_started(reply)
         reply.start()
         return reply
+
+    # ------------------------------------------------------------------ preemptive generation
+    async def _speculate(self) -> None:
+        """At a pause of a hands-free turn that will get a reply: start the LLM on the prompt the
+        turn would get if its transcript so far were final (replacing one started at an earlier
+        pause of it). Nothing of it is sent unless the turn ends with that same prompt."""
+        text = self.heard.partial.strip()
+        if not (self.cfg.preemptive_generation and self.reply_on_turn_end and text) or self.calls.waiting:
+            await self._drop_speculation(SPECULATION_CANCELLED)
+            return
+        settings = self.agent
+        messages = settings.messages(self.history.messages() + [{"role": "user", "content": text}])
+        if self._speculation is not None and self._speculation.matches(messages, self._llm_options(settings)):
+            return  # the same prompt as at the last pause: keep it
+        await self._drop_speculation(SPECULATION_CANCELLED)
+        options = self._llm_options(settings)
+        self._speculation = Speculation(self.backends.llm_stream(messages, **options), messages, options,
+                                        self.cfg.engine_timeout_s)
+
+    @staticmethod
+    def _llm_options(settings: AgentSettings) -> dict:
+        return settings.llm_options().overrides()
+
+    async def _take_speculation(self, messages: list[dict], settings: AgentSettings):
+        """The speculated LLM stream if it was started on exactly this prompt, else None (and it
+        is cancelled)."""
+        spec = self._speculation
+        if spec is None:
+            return None
+        if spec.matches(messages, self._llm_options(settings)):
+            self._speculation = None
+            self._count_speculation(HIT)
+            return spec.stream()
+        await self._drop_speculation(MISS)
+        return None
+
+    async def _drop_speculation(self, outcome: str) -> None:
+        spec, self._speculation = self._speculation, None
+        if spec is not None:
+            await spec.cancel()
+            self._count_speculation(outcome)
+
+    def _count_speculation(self, outcome: str) -> None:
+        self.speculations[outcome] = self.speculations.get(outcome, 0) + 1
+        if self.cfg.on_speculation:
+            self.cfg.on_speculation(outcome)
 
     async def _interrupt(self, send_done: bool, reason: str = "turn_detected") -> None:
         reply, self.reply = self.reply, None

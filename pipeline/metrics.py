@@ -67,6 +67,11 @@ TURNS = Counter("voice_turns", "User turns ended (spoken or typed).")
 BARGE_INS = Counter("voice_barge_ins", "Replies interrupted by a new user turn.")
 TURN_ENDS = Counter("voice_turn_ends", "User turns ended, by what ended them: smart_turn, silence (a pause past "
                     "eot_max_silence_ms), turn_end, typed, endpoint, max_turn.", ["by"])
+SPECULATIONS = Counter("voice_preemptive_generations", "LLM starts at a hands-free pause, before the turn's end "
+                       "(preemptive_generation), by outcome: hit (the reply used it), miss (the turn ended with "
+                       "another prompt), cancelled (the user spoke on).", ["outcome"])
+for _outcome in ("hit", "miss", "cancelled"):
+    SPECULATIONS.labels(outcome=_outcome)  # exported at 0 from the start
 SMART_TURN = Histogram("voice_smart_turn_seconds", "One Smart Turn end-of-turn call (gateway).", buckets=LATENCY_BUCKETS)
 ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["code"])
 HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket requests refused before the "

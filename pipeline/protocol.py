@@ -226,6 +226,17 @@ def response_done(turn: int, interrupted: bool, timings: dict[str, float] | None
     return msg
 
 
+def response_paused(turn: int) -> dict:
+    """(v1 extension, ``resume_false_interruption``) speech over the reply paused it: no more of its
+    audio comes until ``response.resumed`` (play on from where it stopped) or ``response.done``."""
+    return {"type": "response.paused", "turn": turn}
+
+
+def response_resumed(turn: int) -> dict:
+    """(v1 extension) the speech that paused the reply was no turn: its audio comes again."""
+    return {"type": "response.resumed", "turn": turn}
+
+
 def speech_event(kind: str, audio_ms: float) -> dict:
     """``speech.started`` / ``speech.stopped`` (v1 extension): the server's VAD, at ``audio_ms`` of
     this session's microphone audio (ms of audio received before the event's position)."""

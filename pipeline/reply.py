@@ -50,7 +50,7 @@ class ReplyHost(Protocol):
 class Reply:
     def __init__(self, host: ReplyHost, turn: int, messages: list[dict] | None, settings: AgentSettings,
                  ended_at: float, encoding: asyncio.Task | None = None, overrides: dict | None = None,
-                 script: str | None = None, record: bool = True):
+                 script: str | None = None, record: bool = True, llm=None):
         self.host = host
         self.turn = turn
         self.id = new_id("resp")
@@ -59,6 +59,7 @@ class Reply:
         self.settings = settings  # the session's settings with this reply's overrides, at its start
         self.overrides = overrides or {}  # the settings this reply chose for itself
         self.script = script  # a fixed text to speak instead of the LLM's (a tool call's filler or timeout)
+        self.llm = llm  # an LLM stream already started on ``messages`` (pipeline/speculation.py), if any
         self.record = record  # what it says joins the history (a filler does not)
         self.calls: list[ToolCall] = []  # the tool calls the LLM made (the first one ends the speaking)
         self.ended_at = ended_at  # when the user's turn ended (voice-to-voice is counted from it)
@@ -75,6 +76,28 @@ class Reply:
         self.done_sent = False
         self.remembered = False  # its history item has been added
         self.task: asyncio.Task | None = None
+        # Paused (speech over it that may be no turn): nothing is sent until resumed; its text and
+        # audio go on being made into its own queues meanwhile.
+        self._playing = asyncio.Event()
+        self._playing.set()
+        self._paused_at: float | None = None
+
+    @property
+    def paused(self) -> bool:
+        return not self._playing.is_set()
+
+    def pause(self) -> None:
+        if not self.paused:
+            self._paused_at = self.host.clock()
+            self._playing.clear()
+
+    def resume(self) -> None:
+        """Send again from where it paused; the pace clock skips the pause (no burst to catch up)."""
+        if self.paused:
+            if self.first_audio_at is not None:
+                self.first_audio_at += self.host.clock() - self._paused_at
+            self._paused_at = None
+            self._playing.set()
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"reply-{self.id}")
@@ -123,8 +146,12 @@ class Reply:
         speaker = asyncio.create_task(self._speak(clauses, started)) if self.settings.speaks else None
         try:
             splitter = ClauseSplitter(max_words=cfg.clause_max_words)
-            llm = _scripted(self.script) if self.script is not None else \
-                host.backends.llm_stream(self.messages, **self.settings.llm_options().overrides())
+            if self.script is not None:
+                llm = _scripted(self.script)
+            elif self.llm is not None:
+                llm = self.llm
+            else:
+                llm = host.backends.llm_stream(self.messages, **self.settings.llm_options().overrides())
             # aclosing: a cancelled reply closes the engine stream before the cancellation goes on (its
             # clean-up is queued on the inference thread by then), not whenever the collector finds it.
             async with contextlib.aclosing(bounded_stream(llm, cfg.engine_timeout_s)) as deltas:
@@ -183,6 +210,9 @@ class Reply:
         try:
             while (item := await chunks.get()) is not None:
                 clause, pcm, codes = item
+                if self.paused:
+                    await self._playing.wait()
+                    last_at = None  # the pause is not a gap between chunks
                 if clause is not None:  # the first chunk of a clause: it starts playing now
                     self.spoken.append((self.samples, clause))
                 now = host.clock()
@@ -195,6 +225,9 @@ class Reply:
                     ahead = self.samples / OUTPUT_RATE - (now - self.first_audio_at)
                     if ahead > cfg.pace_lead_s:
                         await asyncio.sleep(ahead - cfg.pace_lead_s)
+                    if self.paused:  # paused while it waited to send
+                        await self._playing.wait()
+                        last_at = None
                 now = host.clock()
                 if last_at is not None and cfg.on_chunk_gap:
                     cfg.on_chunk_gap(now - last_at)

@@ -185,6 +185,12 @@ class Session(WireSession):
             return
         await self._done(reply.turn, interrupted, None if interrupted else reply.marks)
 
+    async def reply_paused(self, reply: Reply) -> None:
+        await self.send(P.response_paused(reply.turn))
+
+    async def reply_resumed(self, reply: Reply) -> None:
+        await self.send(P.response_resumed(reply.turn))
+
     async def _done(self, turn: int, interrupted: bool, timings: dict | None = None) -> None:
         self._done_turn, self._open_turn = turn, None
         await self.send(P.response_done(turn, interrupted, timings))

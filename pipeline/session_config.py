@@ -32,6 +32,9 @@ class SessionConfig:
     eot_threshold: float = 0.5  # Smart Turn probability at or above which a pause ends the turn
     eot_max_silence_ms: float = 1500  # a pause this long ends the turn whatever Smart Turn said
     vad_events: bool = True  # send speech.started / speech.stopped to the client
+    # Hands-free: at speech.stopped the LLM starts on the transcript so far while Smart Turn decides;
+    # the reply uses it if the turn ends with that same prompt (pipeline/speculation.py).
+    preemptive_generation: bool = False
     # The bot's reply, as sent, is cancelled out of the microphone audio the VAD judges (echo.py).
     echo_cancellation: bool = True
     # Barge-in: user speech while a reply plays interrupts it. "vad": once the VAD has heard
@@ -42,6 +45,12 @@ class SessionConfig:
     # microphone may carry the echo interrupt only with VAD speech in the cancelled audio.
     barge_in: bool | str = "vad"
     barge_in_min_speech_ms: float = 150
+    # Speech over a reply pauses it instead of ending it until the speech proves a turn: a word that
+    # is not a backchannel (partial or final transcript) ends it, as without this; speech that ends
+    # with nothing but backchannel words (or none) is no turn, and the reply resumes where it paused.
+    resume_false_interruption: bool = False
+    backchannel_words: tuple[str, ...] = ("mm", "mmm", "mhm", "mm-hm", "mm-hmm", "hm", "hmm", "uh-huh", "uh", "um",
+                                          "ah", "oh", "yeah", "yep", "yes", "ok", "okay", "right", "sure")
     barge_in_min_rms: float = 0.01  # of int16 full scale; quieter audio never interrupts by words
     # No interruption in the reply's first barge_in_grace_s of audio (0: none; was 0.5 s before the
     # echo canceller's check made it unneeded; kept for clients that want one).
@@ -89,6 +98,7 @@ class SessionConfig:
     on_error: Callable[[str], None] | None = None
     on_turn_end: Callable[[str], None] | None = None  # what ended a turn (see Session._end_turn)
     on_smart_turn: Callable[[float], None] | None = None  # one Smart Turn call, seconds
+    on_speculation: Callable[[str], None] | None = None  # a preemptive LLM start's outcome: hit, miss, cancelled
 
     def __post_init__(self) -> None:
         for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s", "tool_timeout_s",

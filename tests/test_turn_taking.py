@@ -447,3 +447,192 @@ def test_push_to_talk_client_on_the_hands_free_default_gets_one_turn(engines, se
     assert [m["turn"] for m in rec.of("transcript.final")] == [1, 2]
     assert rec.of("transcript.final")[1]["text"] == "And then?"
     assert rec.of("response.done")[0]["turn"] == 1 and rec.of("audio")
+
+
+# ----------------------------------------------------------------------------- preemptive generation
+class Overheard:
+    """The tiny engines, with two things the test must know: every LLM stream (its prompt, and
+    whether it was closed before its end), and a final transcript the test chooses: what the
+    recogniser's partials said, plus ``extra`` (so the final transcript equals the one at the
+    pause, or not, as the test needs; the tiny recogniser's random weights may add a token at the
+    end either way)."""
+
+    def __init__(self, inner, extra: str = ""):
+        self.inner, self.extra = inner, extra
+        self.partials: dict[str, str] = {}
+        self.llm: list[dict] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def stt_open(self, sid):
+        self.partials[sid] = ""
+        return await self.inner.stt_open(sid)
+
+    async def stt_push(self, sid, pcm):
+        events = await self.inner.stt_push(sid, pcm)
+        self.partials[sid] = self.partials.get(sid, "") + "".join(e["text"] for e in events if e["kind"] == "partial")
+        return events
+
+    async def stt_finish(self, sid):
+        _, words = await self.inner.stt_finish(sid)
+        return self.partials.pop(sid, "") + self.extra, words
+
+    def llm_stream(self, messages, **options):
+        rec = {"messages": messages, "ended": False, "closed": False, "deltas": []}
+        self.llm.append(rec)
+
+        async def stream():
+            try:
+                async for delta in self.inner.llm_stream(messages, **options):
+                    rec["deltas"].append(delta)
+                    yield delta
+                rec["ended"] = True
+            finally:
+                rec["closed"] = True
+
+        return stream()
+
+
+def _preemptive_session(rec, backends, **cfg):
+    return Session(rec, backends, SessionConfig(pace_lead_s=None, barge_in="off", preemptive_generation=True, **cfg))
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["final_as_at_the_pause", "final_differs"])
+def test_preemptive_generation_is_used_only_for_the_same_prompt(engines, sentence, same):
+    """At the pause the LLM starts on the transcript so far. The turn ends (Smart Turn: complete)
+    with that same transcript: the reply is that one LLM stream, all it wrote and only once. With another final transcript the speculative stream is closed unfinished
+    and the reply comes from a fresh LLM call on the final prompt."""
+    backends = Overheard(engines, extra="" if same else " indeed")
+
+    async def go():
+        rec = Recorder()
+        s = _preemptive_session(rec, backends)
+        await s.start()
+        await _stream(s, speech.padded(sentence, 0.5, 1.0))
+        await rec.wait(lambda r: len(r.of("response.done")) == 1)
+        await s.close()
+        return rec, s
+
+    rec, s = asyncio.run(go())
+    final = rec.of("transcript.final")[0]["text"]
+    spoken = [m for m in backends.llm if m["messages"][-1] == {"role": "user", "content": final.strip()}]
+    assert final.strip() and len(spoken) == 1 and spoken[0]["ended"]
+    reply = "".join(m["text"] for m in rec.of("response.text"))
+    assert reply and reply == "".join(d for d in spoken[0]["deltas"] if isinstance(d, str))  # all of it, once
+    if same:
+        assert len(backends.llm) == 1 and s.core.speculations == {"hit": 1}
+    else:
+        speculated = backends.llm[0]
+        assert speculated is not spoken[0] and speculated["closed"] and not speculated["ended"]
+        assert s.core.speculations == {"miss": 1} and len(backends.llm) == 2
+
+
+def test_preemptive_generation_is_cancelled_when_the_user_speaks_on(engines):
+    """A pause mid-sentence (Smart Turn: incomplete) starts the LLM; the user speaks on: that LLM
+    stream is closed unfinished, no reply audio or text goes out before the turn's end, and the
+    turn gets one reply."""
+    backends = Overheard(engines)
+    paused = speech.with_pauses([HALF, "Paris on Friday."], pause_s=0.5)
+
+    async def go():
+        rec = Recorder()
+        s = _preemptive_session(rec, backends)
+        await s.start()
+        await _stream(s, speech.padded(paused, 0.5, 1.0))
+        await rec.wait(lambda r: len(r.of("response.done")) == 1)
+        await s.close()
+        return rec, s
+
+    rec, s = asyncio.run(go())
+    assert s.core.eot_probabilities[0] < 0.5  # the pause was judged incomplete
+    assert len(rec.of("transcript.final")) == 1
+    first = [m["type"] for m in rec.msgs].index("transcript.final")
+    assert not any(m["type"] in ("audio", "response.text") for m in rec.msgs[:first])
+    assert backends.llm[0]["closed"] and not backends.llm[0]["ended"]  # cancelled at the speech
+    assert s.core.speculations.get("cancelled", 0) >= 1 and s.core.speculations.get("hit") == 1
+
+
+# ----------------------------------------------------------------------------- false interruptions
+class Says:
+    """The tiny engines, hearing what the test says was said: a turn's partial transcript, once
+    0.5 s of its audio is in, and its final transcript are ``text`` (the tiny recogniser's random
+    weights cannot recognise "mm-hm"); and every TTS chunk made is recorded, to compare with what
+    was sent."""
+
+    def __init__(self, inner, text: str):
+        self.inner, self.text = inner, text
+        self.heard: dict[str, int] = {}  # samples of each open stream
+        self.made: list[np.ndarray] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def stt_open(self, sid):
+        self.heard[sid] = 0
+        return await self.inner.stt_open(sid)
+
+    async def stt_push(self, sid, pcm):
+        events = [ev for ev in await self.inner.stt_push(sid, pcm) if ev["kind"] != "partial"]
+        before, self.heard[sid] = self.heard.get(sid, 0), self.heard.get(sid, 0) + len(pcm)
+        if before < RATE // 2 <= self.heard[sid]:
+            events.insert(0, {"kind": "partial", "text": self.text})
+        return events
+
+    async def stt_finish(self, sid):
+        _, words = await self.inner.stt_finish(sid)
+        return self.text, words
+
+    async def tts_stream(self, text, context, *voice):
+        async for pcm, codes in self.inner.tts_stream(text, context, *voice):
+            self.made.append(np.array(pcm))
+            yield pcm, codes
+
+
+@pytest.mark.parametrize("said", ["Mm-hm.", "Stop, tell me about the trains."])
+def test_a_backchannel_pauses_and_resumes_the_reply_a_turn_ends_it(engines, said):
+    """With resume_false_interruption, a person saying "mm-hm" over the reply (espeak, a headset)
+    pauses it and it resumes where it paused: every sample the TTS made is sent once, in order,
+    and no turn is taken. Words that are not a backchannel end it as a barge-in does."""
+    backends = Says(engines, said)
+    person = speech.espeak("Mm-hm." if said == "Mm-hm." else said)
+
+    async def go():
+        t0 = time.monotonic()
+        rec = Recorder()
+        s = Session(rec, backends, SessionConfig(resume_false_interruption=True))
+        await s.start()
+        await s.on_frame(P.client_text("Tell me a long story."))
+        person_at = None
+        for k in range(0, 12 * RATE, 320):  # up to 12 s of microphone, in real time
+            await asyncio.sleep(max(0.0, t0 + k / RATE - time.monotonic()))
+            mic = np.zeros(320, np.float32)
+            if person_at is None and len(rec.of("audio")) > 12:  # ~1 s of reply has been sent
+                person_at = k
+            if person_at is not None:
+                mic += np.pad(person[k - person_at:k - person_at + 320], (0, 320))[:320]
+            await s.on_frame(P.client_audio(np.clip(mic, -32768, 32767).astype(np.int16)))
+            if rec.of("response.done") and (said == "Mm-hm." or rec.of("transcript.final")[1:]):
+                break
+        await rec.wait(lambda r: len(r.of("response.done")) >= (1 if said == "Mm-hm." else 2))
+        await s.close()
+        return rec
+
+    rec = asyncio.run(go())
+    kinds = [m["type"] for m in rec.msgs]
+    assert "response.paused" in kinds, kinds
+    first = [m for m in rec.of("response.done") if m["turn"] == 1]
+    if said == "Mm-hm.":
+        assert kinds.index("response.paused") < kinds.index("response.resumed") < kinds.index("response.done")
+        assert first[0]["interrupted"] is False
+        assert [m["turn"] for m in rec.of("transcript.final")] == [1]  # the backchannel took no turn
+        sent = [m for m in rec.of("audio") if m["turn"] == 1]
+        assert [m["seq"] for m in sent] == list(range(len(sent)))
+        played = np.concatenate([np.frombuffer(m["pcm"], "<i2") for m in sent])
+        np.testing.assert_array_equal(played, np.concatenate(backends.made))  # none skipped, none repeated
+    else:
+        assert "response.resumed" not in kinds
+        assert first[0]["interrupted"] is True
+        assert [m["turn"] for m in rec.of("transcript.final")] == [1, 2]
+        assert "transcript.partial" in kinds, [k for k in kinds if k not in ("audio", "response.text")]
+        assert kinds.index("response.done") < kinds.index("transcript.partial")

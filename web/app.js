@@ -15,6 +15,7 @@ const state = {
   turns: {}, // turn -> TurnStats
   playback: { played: 0, buffered: 0, underruns: 0, overflowed: 0 },
   flushes: [], // {turn, dropped, played}: an interrupted reply's buffered samples, dropped unplayed
+  pauses: [], // {turn, resumed}: replies the server paused (response.paused), and whether they resumed
   started: [], // {turn, played}: each turn's first sample, with the samples played before it
   errors: [], // {code, message}: each error once
   rates: null, // {input, output}: the sample rates session.ready announced (Hz)
@@ -123,6 +124,14 @@ function onMessage(msg) {
       if (s) { s.onChunk(now); renderTurn(s); }
       break;
     }
+    case "response.paused":
+      if (player) player.hold();
+      state.pauses.push({ turn: msg.turn, resumed: false });
+      break;
+    case "response.resumed":
+      if (player) player.release();
+      if (state.pauses.length) state.pauses[state.pauses.length - 1].resumed = true;
+      break;
     case "response.done": {
       const s = state.turns[msg.turn];
       if (msg.interrupted) {
@@ -171,6 +180,8 @@ async function connect() {
     setStatus("connecting…");
     const options = { turn_detection: mode };
     if (params.get("server_echo_cancellation") === "false") options.echo_cancellation = false;
+    // ?resume_false_interruption=true: a "mm-hm" over the reply pauses it, and it plays on after.
+    if (params.has("resume_false_interruption")) options.resume_false_interruption = params.get("resume_false_interruption");
     conv = new Conversation(conversationUrl(ticket.ticket, options), { onMessage, onClose });
     const ready = await conv.open();
     // The audio runs at the rates this server announced: the microphone is sent at its input

@@ -145,6 +145,16 @@ export class Player {
     this.node.port.postMessage({ type: "flush" });
   }
 
+  // The server paused the reply (response.paused): stop playing, keep what is buffered.
+  hold() {
+    this.node.port.postMessage({ type: "hold" });
+  }
+
+  // ...and resumed it (response.resumed): play on from where it stopped.
+  release() {
+    this.node.port.postMessage({ type: "release" });
+  }
+
   async stop() {
     this.audioElement.pause();
     this.audioElement.srcObject = null;

@@ -434,6 +434,12 @@ class RealtimeSession(WireSession):
         await self.emit({"type": "response.output_audio.delta", **self._at(reply),
                          "delta": base64.b64encode(data).decode("ascii")})
 
+    async def reply_paused(self, reply: Reply) -> None:
+        pass  # the Realtime protocol has no such event: its client plays out what it has, then waits
+
+    async def reply_resumed(self, reply: Reply) -> None:
+        pass
+
     async def reply_done(self, reply: Reply) -> None:
         wire = self._replies.pop(reply.id)
         output: list[dict] = []

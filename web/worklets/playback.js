@@ -7,10 +7,11 @@
 // A reply starts playing once `jitterSamples` of it are buffered (or its last chunk is in).
 // If the buffer runs dry before the reply's end, that is an underrun: it is counted (for the
 // reply's turn) and playback waits for the jitter buffer to fill again. `flush` (the server
-// interrupted the reply) drops everything buffered at once.
+// interrupted the reply) drops everything buffered at once. `hold` (the server paused the reply:
+// response.paused) stops playing and keeps what is buffered; `release` plays on from there.
 //
 // In:  {type: "chunk", pcm: ArrayBuffer (int16), turn}, {type: "end", turn}, {type: "flush"},
-//      {type: "jitter", ms}
+//      {type: "hold"}, {type: "release"}, {type: "jitter", ms}
 // Out: {type: "started", turn, played} when a turn's first sample plays, {type: "underrun", turn},
 //      {type: "flushed", dropped, played}, and every ~50 ms {type: "stats", played, buffered, underruns, overflowed, rate}.
 const CAPACITY = sampleRate * 30; // 30 s: far above what the server's pacing (0.3 s lead) ever sends ahead
@@ -24,6 +25,7 @@ class PlaybackProcessor extends AudioWorkletProcessor {
     this.segments = []; // [{turn, left}] in play order: which turn the buffered samples belong to
     this.jitterSamples = Math.round((options.processorOptions.jitterMs / 1000) * sampleRate);
     this.playing = false;
+    this.held = false; // paused by the server: nothing plays, nothing is dropped
     this.endedTurn = -1; // the newest turn whose last chunk is in
     this.startedTurn = -1;
     this.played = 0;
@@ -56,7 +58,12 @@ class PlaybackProcessor extends AudioWorkletProcessor {
       this.read = this.write;
       this.segments = [];
       this.playing = false;
+      this.held = false;
       this.port.postMessage({ type: "flushed", dropped, played: this.played });
+    } else if (msg.type === "hold") {
+      this.held = true;
+    } else if (msg.type === "release") {
+      this.held = false;
     } else if (msg.type === "jitter") {
       this.jitterSamples = Math.round((msg.ms / 1000) * sampleRate);
     }
@@ -70,7 +77,7 @@ class PlaybackProcessor extends AudioWorkletProcessor {
       // Start once the jitter buffer is full, or the whole rest of the reply is in.
       if (this.buffered >= this.jitterSamples || this.endedTurn >= turn) this.playing = true;
     }
-    while (this.playing && i < out.length && this.buffered > 0) {
+    while (this.playing && !this.held && i < out.length && this.buffered > 0) {
       const seg = this.segments[0];
       if (seg.turn !== this.startedTurn) {
         this.startedTurn = seg.turn;
