@@ -154,6 +154,10 @@ class RayBackends(Backends):
         return await self._stt(sid).finish.remote(sid)
 
     @_engine_call
+    async def stt_peek(self, sid: str) -> tuple[str, list[dict]] | None:
+        return await self._stt(sid).peek.remote(sid)
+
+    @_engine_call
     async def stt_close(self, sid: str) -> None:
         await self._stt(sid).close.remote(sid)
 

@@ -39,5 +39,8 @@ class STT(ModelReplica):
     async def finish(self, sid: str) -> tuple[str, list[dict]]:
         return await self.svc.finish(sid)
 
+    async def peek(self, sid: str) -> tuple[str, list[dict]] | None:
+        return await self.svc.peek(sid)
+
     async def close(self, sid: str) -> None:
         await self.svc.close(sid)

@@ -270,17 +270,21 @@ class Conversation:
             await self._drop_speculation(SPECULATION_CANCELLED)  # the user speaks on
             return
         if any(ev.kind == "speech.stopped" for ev in events):
-            await self._speculate()
+            # preemptive: the turn's transcript as it would end now, and the LLM on it, while Smart Turn decides
+            peek = asyncio.create_task(self._peek_and_speculate()) if self._may_speculate() else None
             p = 1.0
-            if self.cfg.eot_threshold > 0:
-                started = self.clock()
-                p = await self.smart_turn.probability_async(heard.joined_audio())
-                if self.cfg.on_smart_turn:
-                    self.cfg.on_smart_turn(self.clock() - started)
-                self.eot_probabilities.append(p)
-                del self.eot_probabilities[:-100]
+            try:
+                if self.cfg.eot_threshold > 0:
+                    started = self.clock()
+                    p = await self.smart_turn.probability_async(heard.joined_audio())
+                    if self.cfg.on_smart_turn:
+                        self.cfg.on_smart_turn(self.clock() - started)
+                    self.eot_probabilities.append(p)
+                    del self.eot_probabilities[:-100]
+            finally:
+                finished = await peek if peek is not None else None
             if p >= self.cfg.eot_threshold and not self.ears.speaking:
-                await self._end_turn(by="smart_turn")
+                await self._end_turn(by="smart_turn", finished=finished)
                 return
             wait_s = (self.cfg.eot_max_silence_ms - self.ears.vad.silence_ms) / 1000
             heard.eot_deadline = self.clock() + max(0.0, wait_s)
@@ -373,11 +377,13 @@ class Conversation:
         await self._end_turn(by="max_turn")
 
     async def _end_turn(self, typed_text: str | None = None, by: str = "turn_end", respond: bool | None = None,
-                        overrides: dict[str, Any] | None = None, after: str | None = None) -> Item | None:
+                        overrides: dict[str, Any] | None = None, after: str | None = None,
+                        finished: tuple[str, list[dict]] | None = None) -> Item | None:
         """End the current user turn (spoken or typed), add it to the history and, if ``respond``,
         start its reply. ``by``: what ended it (turn_end, typed, smart_turn, silence, endpoint,
         max_turn), for the metrics. ``respond`` None: as ``reply_on_turn_end`` says (a turn the
-        server ended)."""
+        server ended). ``finished``: the spoken turn's transcript and words, already had from the
+        recogniser (:meth:`Recogniser.peek` in this same frame), so it need not be asked again."""
         ended_at = self.clock()
         if respond is None:
             respond = self.reply_on_turn_end
@@ -388,8 +394,9 @@ class Conversation:
                 await self._drop_speculation(MISS)
                 await self._resume_reply()
                 return None
-        finished = None  # the recogniser's result, where it had to be known before the reply's fate
-        if typed_text is None and heard.open and self._reply_paused():
+        if finished is not None:
+            self.recogniser.let_go()  # its transcript is known: the stream closes in the background
+        if typed_text is None and heard.open and self._reply_paused() and finished is None:
             try:
                 finished = await self.recogniser.finish()  # gives the slot back
             except EngineUnavailable as exc:
@@ -397,6 +404,7 @@ class Conversation:
                 await self.error(E_ENGINE_UNAVAILABLE, f"the recogniser did not finish this turn ({exc}); "
                                  "its audio is lost (the session stays open; speak again)")
                 finished = ("", [])
+        if typed_text is None and heard.open and self._reply_paused():
             if not self._says_something(finished[0]):  # a backchannel, or nothing: no turn, no number
                 self.recogniser.drop()
                 self._ended_by_server = self.cfg.turn_detection == "vad" and by in ("smart_turn", "silence",
@@ -515,12 +523,21 @@ class Conversation:
         return reply
 
     # ------------------------------------------------------------------ preemptive generation
-    async def _speculate(self) -> None:
+    def _may_speculate(self) -> bool:
+        return self.cfg.preemptive_generation and self.reply_on_turn_end and not self.calls.waiting
+
+    async def _peek_and_speculate(self) -> tuple[str, list[dict]] | None:
+        """The recogniser's transcript of the turn as it would end now (None: not to be had), and
+        the LLM started on it."""
+        finished = await self.recogniser.peek()
+        await self._speculate(finished[0].strip() if finished is not None else "")
+        return finished
+
+    async def _speculate(self, text: str) -> None:
         """At a pause of a hands-free turn that will get a reply: start the LLM on the prompt the
-        turn would get if its transcript so far were final (replacing one started at an earlier
-        pause of it). Nothing of it is sent unless the turn ends with that same prompt."""
-        text = self.heard.partial.strip()
-        if not (self.cfg.preemptive_generation and self.reply_on_turn_end and text) or self.calls.waiting:
+        turn would get if it ended with ``text`` (replacing one started at an earlier pause of it).
+        Nothing of it is sent unless the turn ends with that same prompt."""
+        if not text:
             await self._drop_speculation(SPECULATION_CANCELLED)
             return
         settings = self.agent

@@ -112,6 +112,9 @@ class Backends(Protocol):
     async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]: ...  # [{"kind","text"}]
     @abstractmethod
     async def stt_finish(self, sid: str) -> tuple[str, list[dict]]: ...  # (text, words with times); frees the slot
+    # What stt_finish would give now, the stream going on (None: no spare slot); raises UnknownStream
+    @abstractmethod
+    async def stt_peek(self, sid: str) -> tuple[str, list[dict]] | None: ...
     @abstractmethod
     async def stt_close(self, sid: str) -> None: ...
     # Text deltas (str) and ToolCalls, then possibly one LLMFinish; keywords as LLMOptions.overrides().

@@ -126,6 +126,22 @@ class Recogniser:
         if self.turn.lose_audio(self.clock()):
             await self.error(code, message)
 
+    async def peek(self) -> tuple[str, list[dict]] | None:
+        """What :meth:`finish` would give now, the turn's stream going on (the recogniser ends a copy
+        of it); None if that cannot be had (no spare slot, a failed or slow call)."""
+        if not self.turn.holds_slot:
+            return None
+        try:
+            return await self._engine(self.backends.stt_peek(self.stream_id))
+        except (EngineUnavailable, UnknownStream):
+            return None
+
+    def let_go(self) -> None:
+        """The turn's transcript is known (from :meth:`peek`): its stream is closed without holding
+        up the session."""
+        if self.turn.holds_slot:
+            self._close_in_background()
+
     def _close_in_background(self) -> None:
         """A call on the turn's stream failed (timed out, or its replica is gone): close the stream
         on the replica at once, so its slot is free for others now, not at the replica's sweep."""

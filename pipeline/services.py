@@ -157,6 +157,29 @@ class STTService:
             await self.thread.run(self.engine.close, sid)
             self._export_active()
 
+    async def peek(self, sid: str) -> tuple[str, list[dict]] | None:
+        """The transcript and words ``finish`` would give now, while the stream stays open for more
+        audio: the stream is copied into a spare slot (STTEngine.fork), which is ended and freed.
+        None when no slot is spare (nothing else changes)."""
+        from pipeline.stt.engine import NoFreeSlotError
+
+        self._known(sid)
+        fork = f"{sid}#peek"
+        try:
+            await self.thread.run(self.engine.fork, sid, fork)
+        except NoFreeSlotError:
+            return None
+        self._outbox[fork] = []
+        try:
+            await self.thread.run(self.engine.end, fork)
+            await self._drain()
+            final = self._finals.pop(fork, None)
+            return None if final is None else (final.text, final.words)
+        finally:
+            self._outbox.pop(fork, None)
+            self._finals.pop(fork, None)
+            await self.thread.run(self.engine.close, fork)
+
     async def close(self, sid: str) -> None:
         """Give the slot back without a transcript (session gone); closing twice is harmless."""
         self._outbox.pop(sid, None)
@@ -349,6 +372,9 @@ class LocalBackends(Backends):
 
     async def stt_finish(self, sid: str) -> tuple[str, list[dict]]:
         return await self.stt.finish(sid)
+
+    async def stt_peek(self, sid: str) -> tuple[str, list[dict]] | None:
+        return await self.stt.peek(sid)
 
     async def stt_close(self, sid: str) -> None:
         await self.stt.close(sid)

@@ -570,3 +570,46 @@ def test_fast_features_and_pre_encode_match_nemo(tiny):
         w0.copy_(saved)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert (b - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("cut", [21_000, 37_000, 52_000])  # mid-chunk: pending audio is copied too
+def test_a_fork_ends_as_the_stream_would_and_leaves_it_untouched(tiny, cut):
+    """fork() copies a stream mid-utterance into a spare slot. Reference: the same audio on a
+    second engine, never forked. The copy, ended at once, gives the final transcript and word
+    times the reference gives when ended at that point; the stream itself, fed on and ended
+    later, gives what the reference gives for all of it (the copy's steps, batched beside it,
+    changed nothing)."""
+    pcm = formant_speech(4.0, seed=11)
+    forked, ref_now, ref_all = _engine(tiny), _engine(tiny), _engine(tiny)
+    for engine in (forked, ref_now, ref_all):
+        engine.open("s")
+        engine.feed("s", pcm[:cut])
+        while engine.pending():
+            engine.step()
+    forked.fork("s", "copy")
+    assert len(forked.active_streams) == 2
+    # every per-slot row the engine keeps (what _reset_slots resets) is the stream's own
+    src, dst = forked._streams["s"].slot, forked._streams["copy"].slot
+    rows = [(c, 1) for c in forked.caches] + [(forked.cache_len, 0), (forked.mel_cache, 0), (forked.hc, 1), (forked.g, 0)]
+    for tensor, dim in rows:
+        assert torch.equal(tensor.select(dim, dst), tensor.select(dim, src))
+    forked.end("copy")
+    forked.feed("s", pcm[cut:])  # the stream goes on while its copy's last chunk is decoded beside it
+    copy_final = None
+    while forked.pending():
+        copy_final = next((e for e in forked.step() if e.kind == "final"), copy_final)
+    forked.close("copy")
+    want_now = _final(ref_now, "s")
+    assert copy_final.stream_id == "copy" and copy_final.text == want_now.text and want_now.text
+    assert copy_final.tokens == want_now.tokens and copy_final.words == want_now.words
+    ref_all.feed("s", pcm[cut:])
+    assert _final(forked, "s").tokens == _final(ref_all, "s").tokens
+    assert forked.active_streams == ["s"] and len(forked._free) == forked.num_slots - 1
+
+
+def test_a_fork_needs_a_free_slot(tiny):
+    engine = _engine(tiny, num_slots=1)
+    engine.open("s")
+    with pytest.raises(NoFreeSlotError):
+        engine.fork("s", "copy")
+    assert engine.active_streams == ["s"]

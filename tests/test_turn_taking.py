@@ -455,12 +455,13 @@ class Overheard:
     whether it was closed before its end), and a final transcript the test chooses: what the
     recogniser's partials said, plus ``extra`` (so the final transcript equals the one at the
     pause, or not, as the test needs; the tiny recogniser's random weights may add a token at the
-    end either way)."""
+    end either way; the transcript the recogniser gives at a pause, ``stt_peek``, is its own)."""
 
     def __init__(self, inner, extra: str = ""):
         self.inner, self.extra = inner, extra
         self.partials: dict[str, str] = {}
         self.llm: list[dict] = []
+        self.recorder: Recorder | None = None
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -479,8 +480,10 @@ class Overheard:
         return self.partials.pop(sid, "") + self.extra, words
 
     def llm_stream(self, messages, **options):
-        rec = {"messages": messages, "ended": False, "closed": False, "deltas": []}
+        rec = {"messages": messages, "ended": False, "closed": False, "deltas": [], "started_before": None}
         self.llm.append(rec)
+        if self.recorder is not None:
+            rec["started_before"] = len(self.recorder.msgs)  # messages the client had been sent by then
 
         async def stream():
             try:
@@ -495,15 +498,16 @@ class Overheard:
 
 
 def _preemptive_session(rec, backends, **cfg):
+    backends.recorder = rec
     return Session(rec, backends, SessionConfig(pace_lead_s=None, barge_in="off", preemptive_generation=True, **cfg))
 
 
-@pytest.mark.parametrize("same", [True, False], ids=["final_as_at_the_pause", "final_differs"])
-def test_preemptive_generation_is_used_only_for_the_same_prompt(engines, sentence, same):
-    """At the pause the LLM starts on the transcript so far. The turn ends (Smart Turn: complete)
-    with that same transcript: the reply is that one LLM stream, all it wrote and only once. With another final transcript the speculative stream is closed unfinished
-    and the reply comes from a fresh LLM call on the final prompt."""
-    backends = Overheard(engines, extra="" if same else " indeed")
+def test_preemptive_generation_starts_the_llm_on_the_final_transcript_at_the_pause(engines, sentence):
+    """At the pause the recogniser ends a copy of the turn's stream (the transcript as it would end
+    now) and the LLM starts on it while Smart Turn decides. Smart Turn calls it complete: the turn
+    ends with that transcript (asked once), and the reply is that one LLM stream, started before
+    transcript.final went out, all it wrote and only once."""
+    backends = Overheard(engines)
 
     async def go():
         rec = Recorder()
@@ -516,16 +520,37 @@ def test_preemptive_generation_is_used_only_for_the_same_prompt(engines, sentenc
 
     rec, s = asyncio.run(go())
     final = rec.of("transcript.final")[0]["text"]
-    spoken = [m for m in backends.llm if m["messages"][-1] == {"role": "user", "content": final.strip()}]
-    assert final.strip() and len(spoken) == 1 and spoken[0]["ended"]
+    assert final.strip() and s.core.speculations == {"hit": 1} and len(backends.llm) == 1
+    stream = backends.llm[0]
+    assert stream["messages"][-1] == {"role": "user", "content": final.strip()} and stream["ended"]
+    assert stream["started_before"] <= [m["type"] for m in rec.msgs].index("transcript.final")
     reply = "".join(m["text"] for m in rec.of("response.text"))
-    assert reply and reply == "".join(d for d in spoken[0]["deltas"] if isinstance(d, str))  # all of it, once
-    if same:
-        assert len(backends.llm) == 1 and s.core.speculations == {"hit": 1}
-    else:
-        speculated = backends.llm[0]
-        assert speculated is not spoken[0] and speculated["closed"] and not speculated["ended"]
-        assert s.core.speculations == {"miss": 1} and len(backends.llm) == 2
+    assert reply and reply == "".join(d for d in stream["deltas"] if isinstance(d, str))  # all of it, once
+
+
+def test_preemptive_generation_with_another_final_transcript_is_closed(engines):
+    """A half sentence, then silence: Smart Turn says incomplete, the LLM has started on the
+    transcript at the pause, and the turn ends at eot_max_silence_ms with a final transcript that
+    differs (the test's recogniser adds a word): the speculative stream is closed unfinished and the
+    reply comes from a fresh LLM call on the final prompt."""
+    backends = Overheard(engines, extra=" indeed")
+
+    async def go():
+        rec = Recorder()
+        s = _preemptive_session(rec, backends, eot_max_silence_ms=800)
+        await s.start()
+        await _stream(s, speech.padded(speech.espeak(HALF), 0.5, 1.2))
+        await rec.wait(lambda r: len(r.of("response.done")) == 1)
+        await s.close()
+        return rec, s
+
+    rec, s = asyncio.run(go())
+    assert s.core.eot_probabilities[0] < 0.5  # incomplete at the pause
+    final = rec.of("transcript.final")[0]["text"]
+    assert final.endswith(" indeed") and s.core.speculations == {"miss": 1} and len(backends.llm) == 2
+    speculated, answered = backends.llm
+    assert speculated["closed"] and not speculated["ended"]
+    assert answered["messages"][-1] == {"role": "user", "content": final.strip()} and answered["ended"]
 
 
 def test_preemptive_generation_is_cancelled_when_the_user_speaks_on(engines):

@@ -203,6 +203,30 @@ class STTEngine:
         self._reset_slots([slot])
         self._streams[stream_id] = _Stream(stream_id, slot)
 
+    @torch.inference_mode()
+    def fork(self, stream_id: str, fork_id: str) -> None:
+        """Open ``fork_id`` as a copy of ``stream_id`` as it is now, in a free slot: its device
+        state (the rows ``_reset_slots`` covers) and its host bookkeeping. Ending the copy gives
+        the transcript the stream would end with now, while the stream itself goes on untouched.
+        Raises NoFreeSlotError with no slot free."""
+        src = self._get(stream_id)
+        if fork_id in self._streams:
+            raise ValueError(f"STT stream {fork_id!r} is already open")
+        if not self._free:
+            raise NoFreeSlotError(f"all {self.num_slots} STT slots are in use: no slot to copy a stream into")
+        slot = self._free.pop(0)
+        s, d = self._index([src.slot]), self._index([slot])
+        for cache in self.caches:
+            cache[:, d] = cache[:, s]
+        self.cache_len[d] = self.cache_len[s]
+        self.mel_cache[d] = self.mel_cache[s]
+        self.hc[:, d] = self.hc[:, s]
+        self.g[d] = self.g[s]
+        copy = _Stream(fork_id, slot)
+        copy.__dict__.update({k: v for k, v in vars(src).items() if k not in ("id", "slot")})
+        copy.buf, copy.tokens, copy.token_frames = src.buf.copy(), list(src.tokens), list(src.token_frames)
+        self._streams[fork_id] = copy
+
     def close(self, stream_id: str) -> None:
         st = self._streams.pop(stream_id, None)
         if st is not None:
