@@ -11,6 +11,7 @@ import numpy as np
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from deployments.autoscaling import slot_stats
 from deployments.replica import ModelReplica
 from pipeline.services import load_stt, STTService
 from pipeline.stt.config import STTConfig
@@ -44,3 +45,9 @@ class STT(ModelReplica):
 
     async def close(self, sid: str) -> None:
         await self.svc.close(sid)
+
+    def record_autoscaling_stats(self) -> dict[str, int]:
+        """Slots in use and slot count, for deployments.autoscaling.SlotPolicy (polled by Serve only
+        while this deployment has an autoscaling_config)."""
+        stats = self.svc.stats()
+        return slot_stats(stats["active_streams"], stats["slots"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ray import serve
 
+from deployments.autoscaling import slot_stats
 from deployments.replica import ModelReplica
 from pipeline.engines import USER_RATE
 from pipeline.services import load_tts, TTSService
@@ -21,3 +22,9 @@ class TTS(ModelReplica):
 
     async def encode(self, pcm, rate: int = USER_RATE):
         return await self.svc.encode(pcm, rate)
+
+    def record_autoscaling_stats(self) -> dict[str, int]:
+        """Streams holding or waiting for a slot (so occupancy can pass 1), and the slot count, for
+        deployments.autoscaling.SlotPolicy (polled only while the deployment autoscales)."""
+        stats = self.svc.stats()
+        return slot_stats(stats["active_requests"], stats["slots"])

@@ -192,7 +192,8 @@ class STTService:
         metrics.STT_ACTIVE_STREAMS.set(len(self.engine.active_streams))
 
     def stats(self) -> dict:
-        return {"active_streams": len(self.engine.active_streams)}
+        """Open streams (one slot each) and the engine's slot count (what autoscaling reads)."""
+        return {"active_streams": len(self.engine.active_streams), "slots": self.engine.num_slots}
 
 
 def _finish(stream) -> LLMFinish | None:
@@ -343,7 +344,8 @@ class TTSService:
         return codes
 
     def stats(self) -> dict:
-        return {"active_requests": self.engine.active_requests}
+        """Open streams (with a slot, or waiting for one) and the engine's slot count."""
+        return {"active_requests": self.engine.active_requests, "slots": self.engine.num_slots}
 
 
 class LocalBackends(Backends):
