@@ -133,6 +133,17 @@ def draw(levels: list[dict], max_gap_s: float, path: Path) -> None:
     plt.close(fig)
 
 
+def loopback_target(args) -> str | None:
+    """The URL to load (``--url``, or the protocol's endpoint); None, said on stderr, unless it is
+    on this machine: the load tools only ever load a server here."""
+    url = args.url or URLS[args.protocol]
+    host = urlparse(url).hostname or ""
+    if not (host == "localhost" or host.startswith("127.") or host == "::1"):
+        print(f"refusing to load-test {host}: loopback targets only", file=sys.stderr)
+        return None
+    return url
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--protocol", choices=PROTOCOLS, default="v1", help="v1 (msgpack) or realtime (OpenAI Realtime)")
@@ -145,10 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     add_token_argument(ap)
     args = ap.parse_args(argv)
-    url = args.url or URLS[args.protocol]
-    host = urlparse(url).hostname or ""
-    if not (host == "localhost" or host.startswith("127.") or host == "::1"):
-        print(f"refusing to load-test {host}: loopback targets only", file=sys.stderr)
+    url = loopback_target(args)
+    if url is None:
         return 2
     max_gap_s = args.max_gap_ms / 1000
     levels, rows = [], []

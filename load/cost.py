@@ -25,13 +25,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import psutil
 
 from load.client import add_token_argument
-from load.concurrency import level_summary, run_level
-from load.gaps import PROTOCOLS, URLS
+from load.concurrency import level_summary, loopback_target, run_level
+from load.gaps import PROTOCOLS
 from load.processes import SESSION_ROLES, CPUSample, session_cpu
 
 GAP_FIELDS = ("turns", "gap_p50_ms", "gap_max_ms", "gaps_over_limit", "ttfa_p50_ms", "errors")
@@ -102,10 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     add_token_argument(ap)
     args = ap.parse_args(argv)
-    url = args.url or URLS[args.protocol]
-    host = urlparse(url).hostname or ""
-    if not (host == "localhost" or host.startswith("127.") or host == "::1"):
-        print(f"refusing to load-test {host}: loopback targets only", file=sys.stderr)
+    url = loopback_target(args)
+    if url is None:
         return 2
     if not session_cpu():
         print("no gapless gateway replica runs on this machine (is the app up here?)", file=sys.stderr)

@@ -37,11 +37,10 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from urllib.parse import urlparse
 
 from load.client import add_token_argument
-from load.concurrency import level_summary, run_level
-from load.gaps import PROTOCOLS, URLS
+from load.concurrency import level_summary, loopback_target, run_level
+from load.gaps import PROTOCOLS
 from load.processes import session_processes
 
 _COUNT = re.compile(r"^(.*) (\d+)$")
@@ -149,10 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     add_token_argument(ap)
     args = ap.parse_args(argv)
     args.blocking = args.blocking or args.native  # py-spy reads native stacks only of a paused process
-    url = args.url or URLS[args.protocol]
-    host = urlparse(url).hostname or ""
-    if not (host == "localhost" or host.startswith("127.") or host == "::1"):
-        print(f"refusing to load-test {host}: loopback targets only", file=sys.stderr)
+    url = loopback_target(args)
+    if url is None:
         return 2
     found = session_processes()
     targets = {role: [p.pid for p in found.get(role, ())] for role in args.roles.split(",")}

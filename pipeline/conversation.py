@@ -540,12 +540,11 @@ class Conversation:
         if not text:
             await self._drop_speculation(SPECULATION_CANCELLED)
             return
-        settings = self.agent
-        messages = settings.messages(self.history.messages() + [{"role": "user", "content": text}])
-        if self._speculation is not None and self._speculation.matches(messages, self._llm_options(settings)):
+        messages = self.agent.messages(self.history.messages() + [{"role": "user", "content": text}])
+        options = self._llm_options(self.agent)
+        if self._speculation is not None and self._speculation.matches(messages, options):
             return  # the same prompt as at the last pause: keep it
         await self._drop_speculation(SPECULATION_CANCELLED)
-        options = self._llm_options(settings)
         self._speculation = Speculation(self.backends.llm_stream(messages, **options), messages, options,
                                         self.cfg.engine_timeout_s)
 

@@ -497,9 +497,20 @@ class Overheard:
         return stream()
 
 
-def _preemptive_session(rec, backends, **cfg):
-    backends.recorder = rec
-    return Session(rec, backends, SessionConfig(pace_lead_s=None, barge_in="off", preemptive_generation=True, **cfg))
+def _one_turn(backends, audio: np.ndarray, **cfg):
+    """One hands-free turn of ``audio`` to a session with preemptive generation on, until its reply
+    is done: the messages it got, and the session."""
+    async def go():
+        rec = Recorder()
+        backends.recorder = rec
+        s = Session(rec, backends, SessionConfig(pace_lead_s=None, barge_in="off", preemptive_generation=True, **cfg))
+        await s.start()
+        await _stream(s, audio)
+        await rec.wait(lambda r: len(r.of("response.done")) == 1)
+        await s.close()
+        return rec, s
+
+    return asyncio.run(go())
 
 
 def test_preemptive_generation_starts_the_llm_on_the_final_transcript_at_the_pause(engines, sentence):
@@ -509,16 +520,7 @@ def test_preemptive_generation_starts_the_llm_on_the_final_transcript_at_the_pau
     transcript.final went out, all it wrote and only once."""
     backends = Overheard(engines)
 
-    async def go():
-        rec = Recorder()
-        s = _preemptive_session(rec, backends)
-        await s.start()
-        await _stream(s, speech.padded(sentence, 0.5, 1.0))
-        await rec.wait(lambda r: len(r.of("response.done")) == 1)
-        await s.close()
-        return rec, s
-
-    rec, s = asyncio.run(go())
+    rec, s = _one_turn(backends, speech.padded(sentence, 0.5, 1.0))
     final = rec.of("transcript.final")[0]["text"]
     assert final.strip() and s.core.speculations == {"hit": 1} and len(backends.llm) == 1
     stream = backends.llm[0]
@@ -535,16 +537,7 @@ def test_preemptive_generation_with_another_final_transcript_is_closed(engines):
     reply comes from a fresh LLM call on the final prompt."""
     backends = Overheard(engines, extra=" indeed")
 
-    async def go():
-        rec = Recorder()
-        s = _preemptive_session(rec, backends, eot_max_silence_ms=800)
-        await s.start()
-        await _stream(s, speech.padded(speech.espeak(HALF), 0.5, 1.2))
-        await rec.wait(lambda r: len(r.of("response.done")) == 1)
-        await s.close()
-        return rec, s
-
-    rec, s = asyncio.run(go())
+    rec, s = _one_turn(backends, speech.padded(speech.espeak(HALF), 0.5, 1.2), eot_max_silence_ms=800)
     assert s.core.eot_probabilities[0] < 0.5  # incomplete at the pause
     final = rec.of("transcript.final")[0]["text"]
     assert final.endswith(" indeed") and s.core.speculations == {"miss": 1} and len(backends.llm) == 2
@@ -560,16 +553,7 @@ def test_preemptive_generation_is_cancelled_when_the_user_speaks_on(engines):
     backends = Overheard(engines)
     paused = speech.with_pauses([HALF, "Paris on Friday."], pause_s=0.5)
 
-    async def go():
-        rec = Recorder()
-        s = _preemptive_session(rec, backends)
-        await s.start()
-        await _stream(s, speech.padded(paused, 0.5, 1.0))
-        await rec.wait(lambda r: len(r.of("response.done")) == 1)
-        await s.close()
-        return rec, s
-
-    rec, s = asyncio.run(go())
+    rec, s = _one_turn(backends, speech.padded(paused, 0.5, 1.0))
     assert s.core.eot_probabilities[0] < 0.5  # the pause was judged incomplete
     assert len(rec.of("transcript.final")) == 1
     first = [m["type"] for m in rec.msgs].index("transcript.final")
