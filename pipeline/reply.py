@@ -213,8 +213,6 @@ class Reply:
                 if self.paused:
                     await self._playing.wait()
                     last_at = None  # the pause is not a gap between chunks
-                if clause is not None:  # the first chunk of a clause: it starts playing now
-                    self.spoken.append((self.samples, clause))
                 now = host.clock()
                 if self.first_audio_at is None:
                     self.first_audio_at = now
@@ -232,6 +230,8 @@ class Reply:
                 if last_at is not None and cfg.on_chunk_gap:
                     cfg.on_chunk_gap(now - last_at)
                 last_at = now
+                if clause is not None:  # the first chunk of a clause: it starts playing now (not before
+                    self.spoken.append((self.samples, clause))  # the pace's wait: cut there, it was never said)
                 await host.reply_audio(self, pcm, seq)
                 self.codes.append(codes)
                 seq += 1
