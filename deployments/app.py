@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from ray.serve import Application
 
 from deployments.gateway import Gateway
+from deployments.session_store import SessionStore
 from deployments.llm import LLM
 from deployments.stt import STT
 from deployments.tickets import TicketLedger
@@ -93,5 +94,6 @@ def build_app(args: dict[str, Any]) -> Application:
     cfg = configs(AppArgs(**(args or {})))
     if os.environ.get(metrics.MULTIPROC_ENV):
         metrics.prepare_multiproc_dir(os.environ[metrics.MULTIPROC_ENV])
+    window = SessionConfig(**cfg["session"]).resume_window_s
     return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"],
-                        cfg["tts"].voice_names(), TicketLedger.bind())
+                        cfg["tts"].voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window))

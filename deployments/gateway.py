@@ -9,22 +9,28 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import numpy as np
+import ray
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from ray import exceptions as ray_errors
 from ray import serve
 from ray.serve import exceptions as serve_errors
+from ray.serve._private.common import ReplicaState
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.handle import DeploymentHandle
 from starlette.websockets import WebSocketDisconnect
 
 from deployments import proxy_limits
+from deployments.session_store import RaySnapshots
 from pipeline import metrics
 from pipeline import protocol as P
 from pipeline.admission import Gatekeeper, Handshake, Refused
 from pipeline.auth import TICKET_PARAM, AuthConfig, Authenticator, load_tokens
 from pipeline.client_limits import ClientLimits
-from pipeline.connection import ClientGone, SessionRegistry, refuse_options, serve_connection, session_options
+from pipeline.connection import (ClientGone, Resumption, SessionRegistry, refuse_options, serve_connection,
+                                 session_options)
+from pipeline.keeper import Continuity
 from pipeline.listening import warm_listening
 from pipeline.realtime.session import RealtimeSession
 from pipeline.engines import USER_RATE, Backends, EngineUnavailable, LLMFinish, NoFreeSlot, ToolCall, Voice
@@ -33,6 +39,12 @@ from pipeline.tts.prompt import Segment
 
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None, openapi_url=None)
 log = logging.getLogger(__name__)
+# A stopping replica notices within DRAIN_POLL_S and gives its sessions DRAIN_TIMEOUT_S to leave;
+# its deployment's graceful_shutdown_timeout_s (serve configs) must exceed both together.
+DRAIN_POLL_S = 0.5
+DRAIN_TIMEOUT_S = 10.0
+# The accepted WebSocket names the gateway replica serving it (which one holds a call, after a resume).
+REPLICA_HEADER = b"x-gapless-replica"
 
 # The browser client (web/): plain files, no build step. Its scripts come from this origin only.
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
@@ -191,7 +203,8 @@ async def _deny(ws: WebSocket, refused: Refused) -> None:
 @serve.ingress(api)
 class Gateway:
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
-                 auth: dict, voices: tuple[str, ...] = ("default",), tickets: DeploymentHandle | None = None):
+                 auth: dict, voices: tuple[str, ...] = ("default",), tickets: DeploymentHandle | None = None,
+                 store: DeploymentHandle | None = None):
         self.backends = RayBackends(stt, llm, tts)
         self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
@@ -204,6 +217,10 @@ class Gateway:
             metrics.TURN_ENDS.labels(by=by).inc(0)
         # This replica's sessions, at most session.max_sessions; the gauge follows its count.
         self.sessions = SessionRegistry(self.session_cfg.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)
+        # v1 sessions are kept resumable in the store every gateway replica shares (deployments/session_store.py)
+        window = self.session_cfg.resume_window_s
+        self.continuity = Continuity(RaySnapshots(store), window) if store is not None and window > 0 else None
+        self._drain_watch: asyncio.Task | None = None
         # Who may come in (pipeline/admission.py): tokens are read here, in this process, from
         # the environment or file the config names; a token mode without tokens fails the start.
         auth_cfg = AuthConfig(**auth)
@@ -223,6 +240,7 @@ class Gateway:
         # The turn-taking models load here, before the replica is ready, not on a first caller.
         warm_listening()
         self._app_name = serve.get_replica_context().app_name
+        self._replica_tag = serve.get_replica_context().replica_tag.encode()
 
     @api.get("/healthz")
     async def healthz(self):
@@ -305,11 +323,40 @@ class Gateway:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             await _deny(ws, refused)
             return
+        self._watch_for_drain()
         try:
-            await ws.accept()
+            await ws.accept(headers=[(REPLICA_HEADER, self._replica_tag)])
             await serve(hs, WebSocketConnection(ws))
         finally:
             admission.release()
+
+    def _watch_for_drain(self) -> None:
+        """From the first session on, watch for this replica being stopped (a redeploy, a scale-down)."""
+        if self._drain_watch is None:
+            self._drain_watch = asyncio.create_task(self._drain_when_stopping())
+
+    async def _drain_when_stopping(self) -> None:
+        """Ray Serve tells a replica nothing when it starts to stop it: it takes the replica out of
+        routing, waits (up to graceful_shutdown_timeout_s) for its requests, each WebSocket one, to
+        end, and only then calls ``__del__``. So this replica asks the controller for its own state
+        every DRAIN_POLL_S; once it is STOPPING, every session is told to resume elsewhere
+        (``going_away``, close 1012) and the wait for requests ends as soon as they have gone."""
+        ctx = serve.get_replica_context()
+        me = ctx.replica_id.unique_id
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        while True:
+            await asyncio.sleep(DRAIN_POLL_S)
+            try:
+                details = await controller.get_deployment_details.remote(ctx.app_name, ctx.deployment)
+            except Exception as exc:  # noqa: BLE001 - the controller restarts, or is busy: ask again
+                log.debug("replica state unknown: %s", exc)
+                continue
+            state = next((r.state for r in details.replicas if r.replica_id == me), None)
+            if state == ReplicaState.STOPPING:
+                log.info("replica %s is stopping: draining %d sessions", me, len(self.sessions))
+                left = await self.sessions.drain(DRAIN_TIMEOUT_S)
+                log.info("replica %s drained (%d sessions left)", me, left)
+                return
 
     async def _claim_ticket(self, hs: Handshake, admission) -> None:
         """A ticket admitted here is also claimed in the shared ledger, so it opens one connection
@@ -339,7 +386,9 @@ class Gateway:
             except ValueError as exc:
                 await refuse_options(conn, str(exc))
                 return
-            await serve_connection(conn, self.backends, cfg, self.sessions, voices=self.voices)
+            resumption = None if self.continuity is None else \
+                Resumption(self.continuity, self.gate.auth.principal(hs.headers, hs.query), hs.query)
+            await serve_connection(conn, self.backends, cfg, self.sessions, resumption=resumption, voices=self.voices)
 
         await self._serve_websocket(ws, serve)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.auth import TICKET_PARAM, AuthError, Authenticator, host_allowed, origin_allowed
+from pipeline.auth import TICKET_PARAM, AuthError, Authenticator, bearer, host_allowed, origin_allowed
 from pipeline.client_limits import ClientLimits, LimitExceeded
+from pipeline.resume import PARAMS as RESUME_PARAMS
 
 # Refusal codes (docs/protocol.md, "Authentication and limits") and their HTTP statuses.
 E_UNAUTHORIZED = "unauthorized"
@@ -45,8 +46,8 @@ class Handshake:
 
     @property
     def session_query(self) -> dict[str, str]:
-        """The query without credentials: what is left are session options."""
-        return {k: v for k, v in self.query.items() if k != TICKET_PARAM}
+        """The query without credentials and resume parameters: what is left are session options."""
+        return {k: v for k, v in self.query.items() if k != TICKET_PARAM and k not in RESUME_PARAMS}
 
 
 class Admission:
@@ -86,7 +87,7 @@ class Gatekeeper:
         self._check_origin(hs)
         self._check_credentials(hs, lambda: self.auth.require_token(hs.headers))
         self._count_handshake(hs.address)
-        ticket, ttl = self.auth.issue()
+        ticket, ttl = self.auth.issue(for_token=bearer(hs.headers))
         return {"ticket": ticket, "expires_in_s": ttl, "auth": self.auth.cfg.mode,
                 "url": f"/v1/conversation?{TICKET_PARAM}={ticket}"}
 

@@ -154,6 +154,15 @@ def _is_origin(value: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.netloc) and not parts.path
 
 
+TOKEN_ID_CHARS = 16  # hex digits of a token's id
+NONCE_CHARS = 22  # a ticket's random part (secrets.token_urlsafe(16))
+
+
+def token_id(token: str) -> str:
+    """A token's id: a one-way digest, never the token itself, safe to carry in tickets and tokens."""
+    return hashlib.sha256(b"gapless principal\n" + token.encode()).hexdigest()[:TOKEN_ID_CHARS]
+
+
 def token_bits(token: str) -> float:
     """A token's entropy as estimated from its own characters: its length times the Shannon
     entropy of their frequencies. One character repeated gives 0, ``abab...`` 1 bit a character;
@@ -311,15 +320,29 @@ class Authenticator:
         return client_address(getattr(conn, "client", None), conn.headers, self._proxies)
 
     # ---------------------------------------------------------------- tickets
-    def issue(self, ttl_s: float | None = None) -> tuple[str, float]:
+    def issue(self, ttl_s: float | None = None, for_token: str | None = None) -> tuple[str, float]:
         """A fresh single-use ticket and its lifetime in seconds: ``ttl_s``, at most (and by
-        default) ``ticket_ttl_s``."""
+        default) ``ticket_ttl_s``. ``for_token``: the bearer token that asked for it, whose id
+        the ticket carries (its nonce begins with it), so a session it opens has that principal."""
         ttl = self.cfg.ticket_ttl_s if ttl_s is None else min(float(ttl_s), self.cfg.ticket_ttl_s)
         if not ttl > 0:
             raise ValueError(f"a ticket's lifetime must be positive, got {ttl_s}")
         issued = int(self.clock() * 1000)
-        body = f"{issued}.{issued + int(ttl * 1000)}.{secrets.token_urlsafe(16)}"
+        nonce = (token_id(for_token) if for_token else "") + secrets.token_urlsafe(16)
+        body = f"{issued}.{issued + int(ttl * 1000)}.{nonce}"
         return f"{body}.{self._sign(body)}", ttl
+
+    def principal(self, headers: dict[str, str], query: dict[str, str]) -> str:
+        """Who a handshake that passed :meth:`check` is, to bind its session's resume token to:
+        its bearer token's id, or the id of the token that asked for its ticket; ``anyone`` with
+        auth off."""
+        if self.open:
+            return "anyone"
+        token = bearer(headers)
+        if token is not None:
+            return f"token:{token_id(token)}"
+        nonce = query.get(TICKET_PARAM, "").split(".")[2:3]
+        return f"token:{nonce[0][:TOKEN_ID_CHARS]}" if nonce and len(nonce[0]) > NONCE_CHARS else "ticket"
 
     def redeem(self, ticket: str) -> None:
         """Accept a ticket once: valid (``verify``) and never redeemed before (in ``self.redeemed``)."""

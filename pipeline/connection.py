@@ -13,10 +13,13 @@ import asyncio
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from pipeline import protocol as P
-from pipeline.engines import Backends, ClientGone
+from pipeline.engines import Backends, ClientGone, EngineUnavailable
+from pipeline.keeper import Continuity, Keeper
+from pipeline.resume import RESUME_PARAM, ResumeRefused, received
 from pipeline.session import Session
 from pipeline.session_config import SessionConfig
 
@@ -37,6 +40,8 @@ class SessionRegistry:
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._on_count = on_count
+        self._emptied = asyncio.Event()
+        self.draining = False  # set by drain(): every session is asked to leave, new ones are refused
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -52,27 +57,73 @@ class SessionRegistry:
         self._changed()
 
     def remove(self, session: Session) -> None:
-        if self._sessions.pop(session.id, None) is not None:
+        if self._sessions.get(session.id) is session:
+            del self._sessions[session.id]
             self._changed()
 
     def _changed(self) -> None:
         if self._on_count:
             self._on_count(len(self._sessions))
+        if not self._sessions:
+            self._emptied.set()
+
+    async def drain(self, timeout_s: float) -> int:
+        """This replica stops: each session is asked to leave (its client is told to resume
+        elsewhere, ``going_away``, and closed with 1012); wait up to ``timeout_s`` for them to go.
+        Returns how many were still here at the end."""
+        self.draining = True
+        for session in list(self._sessions.values()):
+            session.leaving.set()
+        if self._sessions:
+            self._emptied.clear()
+            try:
+                await asyncio.wait_for(self._emptied.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return len(self._sessions)
+
+
+@dataclass
+class Resumption:
+    """A connection's side of resuming (pipeline/resume.py): the replica's store, who connected
+    (``Authenticator.principal``), and the handshake's query (``?resume=`` and what the client
+    received, for a reconnection)."""
+
+    continuity: Continuity
+    principal: str
+    query: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 async def serve_connection(conn: Connection, backends: Backends, cfg: SessionConfig,
-                           registry: SessionRegistry, session_class: type = Session, **session_args: Any) -> None:
+                           registry: SessionRegistry, session_class: type = Session,
+                           resumption: Resumption | None = None, **session_args: Any) -> None:
     """Run one client's session (of ``session_class``, built with ``session_args`` besides its
     send, backends and settings): refuse it if the replica is full, else greet it, feed it frames
-    until the client leaves or a limit closes it, and release everything it held."""
-    if registry.full:
+    until the client leaves or a limit closes it, and release everything it held. With
+    ``resumption`` (and a resumable wire), the session is kept resumable, or resumes the one its
+    ``?resume=`` token names."""
+    if registry.full or registry.draining:
         await _refuse_busy(conn, cfg, registry.max_sessions, session_class)
         return
-    session = session_class(conn.send, backends, cfg, **session_args)
+    resumption = resumption if resumption is not None and session_class.resumable else None
+    restored = await _take_snapshot(conn, resumption, session_class) if resumption is not None else None
+    if restored is False:
+        return
+    if registry.full or registry.draining:
+        await _refuse_busy(conn, cfg, registry.max_sessions, session_class)
+        return
+    snap, generation = restored or (None, 0)
+    session = session_class(conn.send, backends, cfg, session_id=snap.session_id if snap else None, **session_args)
+    session.leaving = asyncio.Event()
+    if snap is not None:
+        session.restore(snap, generation, received(resumption.query))
+    keeper = Keeper(resumption.continuity, session, resumption.principal, generation) if resumption else None
     registry.add(session)
     try:
+        keeper = await _keep(keeper)
         await session.start()
-        await _receive_loop(conn, session)
+        if await _receive_loop(conn, session) == LEAVING:
+            await _leave(conn, session, keeper)
     except ClientGone:
         pass
     except Exception as exc:  # noqa: BLE001 - one session's fault closes that session only
@@ -80,18 +131,67 @@ async def serve_connection(conn: Connection, backends: Backends, cfg: SessionCon
         await _close_quietly(conn, session, P.E_INTERNAL, f"session failed: {type(exc).__name__}",
                              P.CLOSE_INTERNAL_ERROR, "internal error")
     finally:
-        registry.remove(session)
-        await session.close()
+        try:
+            await session.close()
+            if keeper is not None:
+                await keeper.finish()
+        finally:
+            registry.remove(session)
+
+
+async def _take_snapshot(conn: Connection, resumption: Resumption, session_class: type):
+    """A reconnection's snapshot and generation; None for a new session; False once refused
+    (the client was told: ``resume_refused`` and close 1008, or the store is unreachable:
+    ``server_busy`` and 1013)."""
+    token = resumption.query.get(RESUME_PARAM)
+    if token is None:
+        return None
+    try:
+        received(resumption.query)  # checked before the token is used up
+        return await resumption.continuity.take(token, resumption.principal)
+    except (ResumeRefused, ValueError) as exc:
+        await _refuse(conn, session_class, P.E_RESUME_REFUSED, str(exc), P.CLOSE_POLICY_VIOLATION, "resume refused")
+    except EngineUnavailable:
+        await _refuse(conn, session_class, P.E_SERVER_BUSY, "sessions cannot be resumed right now; try again "
+                      "shortly", P.CLOSE_TRY_AGAIN_LATER, "server busy")
+    return False
+
+
+async def _keep(keeper: Keeper | None) -> Keeper | None:
+    """Start keeping the session resumable; without the store it goes on, not resumable."""
+    if keeper is None:
+        return None
+    try:
+        await keeper.start()
+        return keeper
+    except EngineUnavailable as exc:
+        log.warning("session %s is not resumable: the session store did not answer (%s)", keeper.session.id, exc)
+        return None
+
+
+async def _leave(conn: Connection, session: Session, keeper: Keeper | None) -> None:
+    """The replica drains: the reply stops at a chunk, the conversation is saved as the client
+    has it, the client is told to resume elsewhere (``going_away``), and the socket closes 1012."""
+    await session.core.stop_replying()
+    if keeper is not None:
+        await keeper.finish()
+    await session.going_away(keeper.token if keeper else None, "server_shutdown")
+    await conn.close(P.CLOSE_SERVICE_RESTART, "server restarting; resume")
 
 
 async def _refuse_busy(conn: Connection, cfg: SessionConfig, max_sessions: int, session_class: type) -> None:
-    """Over the cap: one error and close 1013, before any session or engine state exists."""
+    """Over the cap (or draining): one error and close 1013, before any session or engine state exists."""
     if cfg.on_error:
         cfg.on_error(P.E_SERVER_BUSY)
     message = f"this server holds its maximum of {max_sessions} sessions; try again later"
+    await _refuse(conn, session_class, P.E_SERVER_BUSY, message, P.CLOSE_TRY_AGAIN_LATER, "server busy")
+
+
+async def _refuse(conn: Connection, session_class: type, code: str, message: str, close_code: int,
+                  reason: str) -> None:
     try:
-        await conn.send(session_class.error_frame(P.E_SERVER_BUSY, message))
-        await conn.close(P.CLOSE_TRY_AGAIN_LATER, "server busy")
+        await conn.send(session_class.error_frame(code, message))
+        await conn.close(close_code, reason)
     except ClientGone:
         pass
 
@@ -134,13 +234,18 @@ async def refuse_options(conn: Connection, message: str) -> None:
         pass
 
 
-async def _receive_loop(conn: Connection, session: Session) -> None:
+LEAVING = "leaving"  # what the receive loop returns when the session was asked to leave (a drain)
+
+
+async def _receive_loop(conn: Connection, session: Session) -> str | None:
     """Frames go to the session in order; between frames the session's deadlines (the open turn's
     time cap, a pause's end, a tool call's filler and timeout, the idle limit) are checked, so a
     silent client is still served by its limits. A deadline set between frames (a tool call the
-    LLM just made) wakes the wait at once; a frame being received is never abandoned."""
+    LLM just made) wakes the wait at once; a frame being received is never abandoned. Returns
+    LEAVING once ``session.leaving`` is set (between frames), else None."""
     frame_task: asyncio.Task | None = None
     changed = session.deadline_changed
+    leaving = asyncio.ensure_future(session.leaving.wait())
     try:
         while True:
             if frame_task is None:
@@ -148,19 +253,23 @@ async def _receive_loop(conn: Connection, session: Session) -> None:
             changed.clear()
             wake = asyncio.ensure_future(changed.wait())
             timeout = max(0.0, session.next_deadline() - time.monotonic())
-            done, _ = await asyncio.wait({frame_task, wake}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({frame_task, wake, leaving}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
             wake.cancel()
             if frame_task in done:
                 frame, frame_task = frame_task.result(), None
                 if frame is None:
-                    return
+                    return None
                 await session.on_frame(frame)
+            elif leaving in done:
+                return LEAVING
             elif wake not in done and await session.check_deadlines():
                 await _close_quietly(conn, session, P.E_IDLE_TIMEOUT,
                                      f"nothing sent either way for {session.cfg.idle_timeout_s:g} s; closing",
                                      P.CLOSE_NORMAL, "idle timeout")
-                return
+                return None
     finally:
+        leaving.cancel()
         if frame_task is not None:
             frame_task.cancel()
 

@@ -40,9 +40,10 @@ from pipeline.audio_allowance import AudioAllowance
 from pipeline.calls import CANCELLED as CALL_CANCELLED, TIMED_OUT, ToolCalls
 from pipeline.engines import Backends, EngineUnavailable, ToolCall, Voice, bounded
 from pipeline.hearing import E_ENGINE_UNAVAILABLE, INPUT_RATE, Recogniser, UserTurn
-from pipeline.history import History, Item, new_id
+from pipeline.history import SAMPLE_RATE as REPLY_RATE, History, Item, new_id
 from pipeline.listening import Listener
 from pipeline.reply import CANCELLED, Reply
+from pipeline.resume import Snapshot
 from pipeline.session_config import SessionConfig
 from pipeline.speculation import CANCELLED as SPECULATION_CANCELLED, HIT, MISS, Speculation
 from pipeline.tts.prompt import BOT_SPEAKER, USER_SPEAKER, Segment
@@ -99,7 +100,9 @@ class Conversation:
         self._max_turn_samples = max(1, int(self.cfg.max_turn_s * INPUT_RATE))
         self._last_activity_at = clock()  # last frame either way (the idle clock)
         self.allowance = AudioAllowance(self.cfg.max_audio_rate, self.cfg.audio_burst_s, clock)
-        self.history = History(max_chars=self.cfg.max_history_chars)
+        # Set whenever what a resumed conversation would start from changed (pipeline/keeper.py)
+        self.state_changed = asyncio.Event()
+        self.history = History(max_chars=self.cfg.max_history_chars, on_change=self._changed)
         self.context: list[Segment] = []  # CSM context, oldest first
         self._encoding: asyncio.Task | None = None  # the last user turn's audio joining the context
         self.reply: Reply | None = None
@@ -109,6 +112,35 @@ class Conversation:
         self.deadline_changed = asyncio.Event()  # set when next_deadline() moved earlier between frames
         self._after_calls: tuple[str, dict] | None = None  # what follows once they are settled, and its settings
         self.closed = False
+
+    def _changed(self) -> None:
+        self.state_changed.set()
+
+    # ------------------------------------------------------------------ resume
+    def snapshot(self, in_flight=None) -> Snapshot:
+        """What a resumed conversation starts from (pipeline/resume.py); ``in_flight``: the reply
+        being sent when the connection ended, as the wire adapter counted its messages."""
+        return Snapshot(self.id, self.turn, list(self.history.items), self.agent, list(self.context), in_flight,
+                        time.time())
+
+    def restore(self, snap: Snapshot, generation: int, received: tuple[int | None, int | None]) -> None:
+        """Continue the conversation ``snap`` was taken of (before anything else happens in this
+        one). A reply that was in flight ends at what the client received (``received``: the turn
+        and seq of the last audio message it has; (None, None): all that was sent)."""
+        self.turn = snap.turn
+        for item in snap.items:
+            self.history.add(item)
+        self.agent = snap.agent
+        self.context = list(snap.context)
+        # a stream the dropped session left open on the recogniser never collides with this one's
+        self.recogniser.stream_id = f"{self.id}.{generation}"
+        flight = snap.in_flight
+        if flight is None or received == (None, None):
+            return
+        item = next((i for i in self.history.items if i.id == flight.item_id), None)
+        if item is not None and item.audio:
+            samples = min(flight.samples_received(*received), item.audio_samples)
+            self.history.truncate(item, 1000 * samples / REPLY_RATE)
 
     @property
     def heard(self) -> UserTurn:
@@ -141,6 +173,7 @@ class Conversation:
         if agent.tts_voice() != self.agent.tts_voice():
             self.context = [seg for seg in self.context if seg.speaker != BOT_SPEAKER]
         self.agent = agent
+        self._changed()
         return agent
 
     async def encode_voice_clip(self, pcm_24k: np.ndarray, text: str) -> Segment:
@@ -232,6 +265,12 @@ class Conversation:
         """Start a reply to the conversation so far (Realtime ``response.create``); the caller
         makes sure none is running."""
         return await self._start_reply(self.clock(), overrides or {})
+
+    async def stop_replying(self) -> None:
+        """The connection is about to end (a draining replica): the reply being sent ends at the
+        chunk it is at, and the history keeps what it said so far."""
+        await self._drop_speculation(SPECULATION_CANCELLED)
+        await self._interrupt(send_done=True, reason="server_shutdown")
 
     async def cancel_reply(self) -> bool:
         """Cancel the running reply (the client asked); False if none was running."""
@@ -439,6 +478,7 @@ class Conversation:
         self._ended_by_server = (self.cfg.turn_detection == "vad" and typed_text is None
                                  and by in ("smart_turn", "silence", "endpoint", "max_turn"))
         self.turn += 1
+        self._changed()
         item = Item("user", text.strip(), id=heard.item_id, audio=typed_text is None)
         if item.text:
             self.history.add(item, after)
@@ -470,6 +510,7 @@ class Conversation:
     def _add_context(self, seg: Segment) -> None:
         self.context.append(seg)
         del self.context[: -self.cfg.context_turns]
+        self._changed()
 
     # ------------------------------------------------------------------ deadlines
     def next_deadline(self) -> float:
@@ -593,7 +634,7 @@ class Conversation:
             await self.events.reply_done(reply)
         await asyncio.gather(reply.task, return_exceptions=True)
         self._remember(reply, reply.said)
-        if self.cfg.on_interrupt:
+        if self.cfg.on_interrupt and reason != "server_shutdown":
             self.cfg.on_interrupt()
 
     def _remember(self, reply: Reply, said: str) -> None:
@@ -727,6 +768,15 @@ class WireSession:
     conversation core: settings, deadlines, errors and closing. An adapter sets ``self.core``."""
 
     core: Conversation
+    resumable = False  # whether its wire lets a dropped connection resume (pipeline/keeper.py)
+
+    def in_flight(self):
+        """The reply being sent, as the wire counted its audio messages (resumable adapters)."""
+        return None
+
+    async def going_away(self, resume_token: str | None, reason: str) -> None:
+        """The server stops serving this connection (a draining replica): stop the reply being sent."""
+        await self.core.stop_replying()
 
     @property
     def cfg(self) -> SessionConfig:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -69,8 +70,10 @@ def item_chars(item: Item) -> int:
 
 
 class History:
-    def __init__(self, max_items: int = 1000, max_chars: int | None = None):
+    def __init__(self, max_items: int = 1000, max_chars: int | None = None,
+                 on_change: Callable[[], None] | None = None):
         self.items: list[Item] = []
+        self.on_change = on_change  # called after every add, delete and truncate
         self.max_items = max_items
         self.max_chars = max_chars  # None: no bound on the characters
         self.chars = 0  # the items' sizes, as counted when each joined (item_chars)
@@ -120,6 +123,7 @@ class History:
             self.items.insert(self.items.index(self.get(after)) + 1, item)
         self._count(item)
         self._bound()
+        self._changed()
         return item
 
     def previous_id(self, item: Item) -> str | None:
@@ -130,6 +134,7 @@ class History:
         item = self.get(item_id)
         self.items.remove(item)
         self._uncount(item)
+        self._changed()
         return item
 
     # -- the bound ------------------------------------------------------------------------------
@@ -203,6 +208,11 @@ class History:
         if id(item) in self._sizes:  # the running total follows the shorter text
             self.chars += item_chars(item) - self._sizes[id(item)]
             self._sizes[id(item)] = item_chars(item)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
 
 def _is_user(item: Item) -> bool:

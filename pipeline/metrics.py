@@ -9,6 +9,7 @@ Names are stable: dashboards and alert rules in ``grafana/`` query them.
 from __future__ import annotations
 
 import os
+import re
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the gateway
@@ -80,14 +81,42 @@ HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket
 
 
 def exposition() -> bytes:
-    """Prometheus text format: every process of this node under Ray, else this process."""
+    """Prometheus text format: every process of this node under Ray, else this process. The
+    live-sum gauges (sessions, STT streams) leave out processes that have died (a killed replica
+    never says so itself)."""
     if os.environ.get(MULTIPROC_ENV):
         from prometheus_client import multiprocess
 
+        forget_dead_processes(os.environ[MULTIPROC_ENV])
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         return generate_latest(registry)
     return generate_latest()
+
+
+_LIVE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")
+
+
+def forget_dead_processes(path: str) -> list[int]:
+    """``mark_process_dead`` for every process whose live gauges are in ``path`` but which no
+    longer runs; returns their pids."""
+    from prometheus_client import multiprocess
+
+    pids = {int(m.group(1)) for m in map(_LIVE_FILE.match, os.listdir(path)) if m}
+    dead = [pid for pid in sorted(pids) if not _running(pid)]
+    for pid in dead:
+        multiprocess.mark_process_dead(pid, path)
+    return dead
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def prepare_multiproc_dir(path: str) -> None:

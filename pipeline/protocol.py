@@ -51,11 +51,13 @@ E_INTERNAL = "internal"                # a server fault while handling this sess
 E_BAD_OPTION = "bad_option"            # a session option in the URL query is unknown or bad; closed (1008)
 E_BAD_SETTING = "bad_setting"          # a session.update / response setting is unknown or bad; nothing changes
 E_TOOL_RESULT_TOO_LARGE = "tool_result_too_large"  # a tool.result's output over 16 KiB; the call stays pending
+E_RESUME_REFUSED = "resume_refused"    # ?resume= with a token that resumes nothing (expired, used, forged); closed (1008)
 
 CLOSE_NORMAL = 1000
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_POLICY_VIOLATION = 1008
+CLOSE_SERVICE_RESTART = 1012  # a draining gateway replica: resume elsewhere (going_away came first)
 
 
 class ProtocolError(Exception):
@@ -188,14 +190,23 @@ def pack(msg: dict) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def session_ready(session_id: str) -> dict:
+def session_ready(session_id: str, resume: dict | None = None) -> dict:
+    """``resume`` (v1 extension, where the server keeps sessions resumable): ``resume_token``,
+    ``resume_window_s``, and on a resumed session ``resumed: true`` and ``turn`` (its last turn)."""
     return {
         "type": "session.ready",
         "session_id": session_id,
         "input_sample_rate": INPUT_SAMPLE_RATE,
         "output_sample_rate": OUTPUT_SAMPLE_RATE,
         "protocol_version": PROTOCOL_VERSION,
+        **(resume or {}),
     }
+
+
+def going_away(resume_token: str | None, reason: str) -> dict:
+    """(v1 extension) this gateway replica is stopping: the session is closed next (1012) and may
+    be resumed at once, on another replica, with ``resume_token``."""
+    return {"type": "going_away", "reason": reason, "resume_token": resume_token}
 
 
 def transcript_partial(text: str, turn: int) -> dict:

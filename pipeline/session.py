@@ -24,6 +24,7 @@ from pipeline.calls import ToolResultError
 from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, ToolCall, UnknownStream
 from pipeline.history import Item
 from pipeline.reply import CANCELLED, Reply
+from pipeline.resume import InFlight, Snapshot
 from pipeline.session_config import SessionConfig
 
 # The engine contract and the session settings, for code written against this module.
@@ -37,6 +38,8 @@ def _monotonic() -> float:
 
 
 class Session(WireSession):
+    resumable = True  # a dropped connection may resume (pipeline/keeper.py)
+
     def __init__(
         self,
         send: Callable[[bytes], Awaitable[None]],
@@ -57,6 +60,8 @@ class Session(WireSession):
         self._seq_turn, self._seq = 0, 0
         self._done_turn = 0  # the last turn whose response.done went out
         self._open_turn: int | None = None  # a turn whose reply waits on tool results
+        self._in_flight: InFlight | None = None  # the audio of the last reply that sent any, by seq
+        self.resume_fields: dict | None = None  # what session.ready says of resuming (set by the keeper)
 
     # What tests and tools read of the conversation
     @property
@@ -74,7 +79,20 @@ class Session(WireSession):
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Greet the client. Nothing is taken from the engines until a spoken turn starts."""
-        await self.send(P.session_ready(self.id))
+        await self.send(P.session_ready(self.id, self.resume_fields))
+
+    def restore(self, snap: Snapshot, generation: int, received: tuple[int | None, int | None]) -> None:
+        self.core.restore(snap, generation, received)
+        self._done_turn = self._seq_turn = snap.turn  # the turns before are over, whatever they had sent
+
+    def in_flight(self) -> InFlight | None:
+        return self._in_flight
+
+    async def going_away(self, resume_token: str | None, reason: str) -> None:
+        """The server stops serving this connection: a reply being sent ends here (response.done,
+        interrupted) and the client is told where to go on."""
+        await self.core.stop_replying()
+        await self.send(P.going_away(resume_token, reason))
 
     async def send(self, msg: dict) -> None:
         if self.core.closed and msg.get("type") != "error":
@@ -173,6 +191,9 @@ class Session(WireSession):
     async def reply_audio(self, reply: Reply, pcm: np.ndarray, seq: int) -> None:
         if reply.turn != self._seq_turn:
             self._seq_turn, self._seq = reply.turn, 0
+        if self._in_flight is None or self._in_flight.item_id != reply.item_id:
+            self._in_flight = InFlight(reply.turn, reply.item_id)
+        self._in_flight.sent.append((self._seq, reply.samples + len(pcm)))
         await self.send(P.audio_out(pcm, reply.turn, self._seq))
         self._seq += 1
 

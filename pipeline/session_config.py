@@ -77,6 +77,10 @@ class SessionConfig:
     audio_burst_s: float = 60.0
     # Sessions per gateway replica; a connection over the cap gets server_busy (close 1013).
     max_sessions: int = 64
+    # A v1 session whose connection dropped (or whose gateway replica drained) may be resumed this
+    # long after it was last alive, with the resume token of its session.ready (pipeline/resume.py,
+    # docs/protocol.md "Resume"); 0: sessions are not resumable.
+    resume_window_s: float = 30.0
     # Per client address (pipeline/client_limits.py), checked before the WebSocket is accepted:
     # sessions it may hold at once (too_many_sessions, HTTP 429) and handshakes a minute
     # (too_many_handshakes, HTTP 429; ticket requests count too).
@@ -109,8 +113,9 @@ class SessionConfig:
                 or self.max_history_chars <= 0:
             raise ValueError(f"SessionConfig.max_history_chars must be an integer > 0, "
                              f"got {self.max_history_chars!r}")
-        if self.slot_retry_s < 0:
-            raise ValueError(f"SessionConfig.slot_retry_s must be >= 0, got {self.slot_retry_s!r}")
+        for name in ("slot_retry_s", "resume_window_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SessionConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.turn_detection not in TURN_DETECTION:
             raise ValueError(f"SessionConfig.turn_detection must be one of {TURN_DETECTION}, got {self.turn_detection!r}")
         if self.barge_in_mode not in BARGE_IN:

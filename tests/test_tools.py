@@ -264,7 +264,7 @@ class MemoryConnection:
 class Registry:
     """Keeps the session it was given, for the test to read its history."""
 
-    max_sessions, full = 4, False
+    max_sessions, full, draining = 4, False, False
 
     def add(self, session):
         self.session = session

@@ -24,6 +24,8 @@ const state = {
   talks: [], // push-to-talk turns: {captured, sent} samples (at rates.input), sent before turn.end
   micFrames: 0,
   messages: 0,
+  drops: [], // {code}: each time the connection was lost (it then resumes by itself)
+  resumed: 0, // sessions resumed after a drop (docs/protocol.md "Resume")
 };
 window.gapless = state;
 
@@ -182,7 +184,10 @@ async function connect() {
     if (params.get("server_echo_cancellation") === "false") options.echo_cancellation = false;
     // ?resume_false_interruption=true: a "mm-hm" over the reply pauses it, and it plays on after.
     if (params.has("resume_false_interruption")) options.resume_false_interruption = params.get("resume_false_interruption");
-    conv = new Conversation(conversationUrl(ticket.ticket, options), { onMessage, onClose });
+    // A dropped session resumes by itself (docs/protocol.md "Resume"), each try with a fresh ticket.
+    const reconnectUrl = async (resume) => conversationUrl((await fetchTicket(token)).ticket, { ...options, ...resume });
+    conv = new Conversation(conversationUrl(ticket.ticket, options), { onMessage, onClose, onDropped, onResumed },
+                            reconnectUrl);
     const ready = await conv.open();
     // The audio runs at the rates this server announced: the microphone is sent at its input
     // rate, replies are played at its output rate (web/audio.js). A browser that cannot run
@@ -205,6 +210,16 @@ async function connect() {
     await teardown();
     $("connect").disabled = false;
   }
+}
+
+function onDropped(code) {
+  state.drops.push({ code });
+  setStatus(`connection lost (close ${code}): resuming…`, "failed");
+}
+
+function onResumed(ready) {
+  state.resumed++;
+  setStatus(`connected (session ${String(ready.session_id).slice(0, 8)}, resumed)`, "connected");
 }
 
 function onClose(code, reason) {

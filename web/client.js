@@ -58,23 +58,41 @@ export class TurnStats {
   }
 }
 
+// Close codes after which a session resumes by itself: the link dropped (1006, no close frame), or
+// the server asked it to go on elsewhere (1012 after going_away, a draining gateway replica; 1001).
+const RESUME_ON = [1001, 1006, 1011, 1012];
+const BACKOFF_MS = [0, 100, 200, 500, 1000, 2000, 4000]; // before each attempt, then 4 s each
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
 export class Conversation {
-  // handlers: {onMessage(msg), onClose(code, reason)}, from session.ready on. Before it, how
-  // the connection went is told once, by open(): it resolves with session.ready, or rejects with
-  // the server's error (code, message) or the refused connection; neither goes to the handlers.
-  // onClose is not called for a close the page asked for (close()).
-  constructor(url, handlers) {
+  // handlers: {onMessage(msg), onClose(code, reason), onDropped(code), onResumed(ready)}, from
+  // session.ready on. Before it, how the connection went is told once, by open(): it resolves
+  // with session.ready, or rejects with the server's error (code, message) or the refused
+  // connection; neither goes to the handlers. onClose is not called for a close the page asked
+  // for (close()). reconnectUrl(params), if given, makes the URL of a reconnection with the
+  // resume parameters (a fresh ticket for it): a dropped session then resumes by itself, with
+  // backoff, within its resume window (docs/protocol.md "Resume"): onDropped, then onResumed
+  // (the messages go on) or, refused or out of time, onClose.
+  constructor(url, handlers, reconnectUrl = null) {
     this.url = url;
     this.handlers = handlers;
+    this.reconnectUrl = reconnectUrl;
     this.ws = null;
     this.closing = false;
+    this.resumeToken = null;
+    this.resumeWindowMs = 30000;
+    this.lastAudio = null; // [turn, seq] of the last audio message received
+    this.resumes = []; // {code, ms} of each resume
   }
 
   open() {
+    return this._open(this.url);
+  }
+
+  _open(url) {
     return new Promise((resolve, reject) => {
-      const ws = new WebSocket(this.url);
+      const ws = new WebSocket(url);
       ws.binaryType = "arraybuffer";
-      this.ws = ws;
       let ready = false;
       ws.onmessage = (e) => {
         if (typeof e.data === "string") return; // the protocol is binary; ignore anything else
@@ -82,13 +100,18 @@ export class Conversation {
         if (!ready) {
           if (msg.type === "session.ready") {
             ready = true;
+            this.ws = ws;
+            if (msg.resume_token) this.resumeToken = msg.resume_token;
+            if (msg.resume_window_s) this.resumeWindowMs = 1000 * msg.resume_window_s;
             resolve(msg);
           } else if (msg.type === "error") {
-            // Instead of session.ready (bad_option, server_busy); the server closes next.
+            // Instead of session.ready (bad_option, server_busy, resume_refused); the server closes next.
             reject(Object.assign(new Error(msg.message), { code: msg.code }));
           }
           return;
         }
+        if (msg.type === "going_away" && msg.resume_token) this.resumeToken = msg.resume_token;
+        if (msg.type === "audio") this.lastAudio = [msg.turn, msg.seq];
         this.handlers.onMessage(msg);
       };
       ws.onclose = (e) => {
@@ -99,9 +122,30 @@ export class Conversation {
           reject(Object.assign(new Error(`the server refused the connection (close ${e.code})`), { code: "refused" }));
           return;
         }
-        if (!this.closing) this.handlers.onClose(e.code, e.reason);
+        if (this.closing || ws !== this.ws) return;
+        if (this.reconnectUrl && this.resumeToken && RESUME_ON.includes(e.code)) this._resume(e.code);
+        else this.handlers.onClose(e.code, e.reason);
       };
     });
+  }
+
+  async _resume(code) {
+    const started = performance.now();
+    if (this.handlers.onDropped) this.handlers.onDropped(code);
+    for (let attempt = 0; performance.now() - started < this.resumeWindowMs && !this.closing; attempt++) {
+      await sleep(BACKOFF_MS[Math.min(attempt, BACKOFF_MS.length - 1)]);
+      const params = { resume: this.resumeToken };
+      if (this.lastAudio) [params.resume_turn, params.resume_seq] = this.lastAudio;
+      try {
+        const ready = await this._open(await this.reconnectUrl(params));
+        this.resumes.push({ code, ms: performance.now() - started });
+        if (this.handlers.onResumed) this.handlers.onResumed(ready);
+        return;
+      } catch (err) {
+        if (err.code === "resume_refused") break; // the session is gone: no use trying again
+      }
+    }
+    if (!this.closing) this.handlers.onClose(code, "the session could not be resumed");
   }
 
   get isOpen() {

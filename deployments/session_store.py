@@ -1,0 +1,76 @@
+"""The session store: the snapshots of resumable conversations, shared by every gateway replica.
+
+A conversation's gateway replica puts a snapshot here after each turn (pipeline/keeper.py); a
+client that lost its connection, or whose replica drained, resumes on whichever replica Ray's proxy
+gives it, which takes the snapshot from here (pipeline/resume.py). One replica, one
+:class:`~pipeline.resume.SnapshotStore` in its memory: each call is a few dictionary operations on
+its event loop, and it is bounded (entries, bytes, and the resume window).
+
+Why a Serve deployment: it lives and is health-checked with the app, needs nothing else to run,
+and every gateway already talks to deployments through handles; a put is one handle call beside
+the conversation. What it does not give: its snapshots die with its replica (resume then fails,
+``resume_refused`` expired, and the client starts afresh; calls in progress go on), and one
+replica serves every gateway. At larger scale, or where a resume must survive the store's own
+loss, an external store does the same with a key per session (Redis: ``SET`` with ``PX`` of the
+window, a generation compared and moved on atomically in a Lua script or ``WATCH``/``MULTI``),
+replicated, and shared by several Ray clusters.
+"""
+from __future__ import annotations
+
+from ray import serve
+
+from pipeline.resume import ResumeRefused, SnapshotStore
+
+
+class RaySnapshots:
+    """The store as a gateway reaches it (``pipeline.resume.Snapshots``) through its handle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def key(self) -> bytes:
+        return await self.handle.key.remote()
+
+    async def put(self, session_id: str, generation: int, blob: bytes) -> bool:
+        return await self.handle.put.remote(session_id, generation, blob)
+
+    async def touch(self, session_ids: list[str]) -> None:
+        await self.handle.touch.remote(session_ids)
+
+    async def take(self, token: str, principal: str) -> tuple[bytes, int]:
+        blob, answer = await self.handle.take.remote(token, principal)
+        if blob is None:
+            raise ResumeRefused(*answer)
+        return blob, answer
+
+    async def forget(self, session_id: str, generation: int) -> None:
+        await self.handle.forget.remote(session_id, generation)
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+class SessionStore:
+    def __init__(self, window_s: float = 30.0, max_entries: int = 10_000, max_bytes: int = 256 << 20):
+        self.store = SnapshotStore(window_s=window_s, max_entries=max_entries, max_bytes=max_bytes)
+
+    async def key(self) -> bytes:
+        return self.store.key
+
+    async def put(self, session_id: str, generation: int, blob: bytes) -> bool:
+        return self.store.put(session_id, generation, blob)
+
+    async def touch(self, session_ids: list[str]) -> None:
+        self.store.touch(session_ids)
+
+    async def take(self, token: str, principal: str) -> tuple[bytes, int] | tuple[None, tuple[str, str]]:
+        """(snapshot, generation), or (None, (reason, message)) for a refusal: an exception's own
+        type does not survive the trip back through Ray."""
+        try:
+            return self.store.take(token, principal)
+        except ResumeRefused as refused:
+            return None, (refused.reason, str(refused))
+
+    async def forget(self, session_id: str, generation: int) -> None:
+        self.store.forget(session_id, generation)
+
+    async def ready(self) -> bool:
+        return True

@@ -1,0 +1,103 @@
+"""A live session kept resumable: its snapshots go to the shared store as the conversation changes.
+
+One :class:`Keeper` per resumable connection (``pipeline.connection.serve_connection`` makes it).
+It puts a snapshot after each change of what a resumed conversation starts from (the core sets
+``state_changed``: a turn, a reply remembered, a setting, the voice context), at most one put in
+flight (changes meanwhile are coalesced into the next), tells the store the session is alive
+while nothing changes, and puts a last one, with the reply that was in flight, when the
+connection ends. The store being slow or gone never holds up the conversation: puts run beside
+it, each bounded in time; a failed one is logged and the next change tries again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from pipeline.engines import bounded
+from pipeline.resume import ResumeRefused, ResumeTokens, Snapshot, Snapshots
+
+log = logging.getLogger(__name__)
+STORE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Continuity:
+    """What a gateway replica needs to keep its sessions resumable: the shared store and the window
+    a dropped session stays resumable (the store's ``window_s``)."""
+
+    snapshots: Snapshots
+    window_s: float
+    _tokens: ResumeTokens | None = None
+
+    async def tokens(self) -> ResumeTokens:
+        """The store's token key, asked for once."""
+        if self._tokens is None:
+            self._tokens = ResumeTokens(await bounded(self.snapshots.key(), STORE_TIMEOUT_S))
+        return self._tokens
+
+    async def take(self, token: str, principal: str) -> tuple[Snapshot, int]:
+        """The snapshot a resume token unlocks and the generation the resumed session holds, or
+        ResumeRefused; a store that does not answer raises EngineUnavailable."""
+        blob, generation = await bounded(self.snapshots.take(token, principal), STORE_TIMEOUT_S)
+        return Snapshot.loads(blob), generation
+
+
+class Keeper:
+    def __init__(self, continuity: Continuity, session, principal: str, generation: int = 0):
+        self.continuity, self.session, self.principal, self.generation = continuity, session, principal, generation
+        self.token: str | None = None
+        self._task: asyncio.Task | None = None
+        self._finished = False
+        self.saves = 0  # snapshots the store took (for tests and tools)
+
+    async def start(self) -> None:
+        """Sign the session's resume token (told in session.ready) and start keeping it."""
+        tokens = await self.continuity.tokens()
+        self.token = tokens.sign(self.session.id, self.generation, self.principal)
+        fields = {"resume_token": self.token, "resume_window_s": self.continuity.window_s}
+        if self.generation > 0:  # a resumed conversation: where it had got to
+            fields.update(resumed=True, turn=self.session.core.turn)
+        self.session.resume_fields = fields
+        self.session.core.state_changed.set()  # the first snapshot: a drop before any turn resumes too
+        self._task = asyncio.create_task(self._keep(), name=f"keeper-{self.session.id}")
+
+    async def _keep(self) -> None:
+        changed = self.session.core.state_changed
+        while not self._finished:
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=self.continuity.window_s / 3)
+            except asyncio.TimeoutError:
+                await self._call(self.continuity.snapshots.touch([self.session.id]))
+                continue
+            if self._finished:
+                return
+            changed.clear()
+            await self.save()
+
+    async def save(self, in_flight=None) -> bool:
+        """Put the conversation as it is now; False if the store did not take it."""
+        blob = self.session.core.snapshot(in_flight).dumps()
+        took = await self._call(self.continuity.snapshots.put(self.session.id, self.generation, blob))
+        self.saves += bool(took)
+        return bool(took)
+
+    async def finish(self) -> None:
+        """The connection ended: the last snapshot, with the reply that was in flight (once)."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._task is not None:  # it ends at its next look (a put in flight finishes first)
+            self.session.core.state_changed.set()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self.save(self.session.in_flight())
+
+    async def _call(self, call):
+        try:
+            return await bounded(call, STORE_TIMEOUT_S)
+        except (ResumeRefused, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store is an improvement, never a failure
+            log.warning("session %s: the session store: %s: %s", self.session.id, type(exc).__name__, exc)
+            return None

@@ -1,0 +1,255 @@
+"""Conversations that outlive their connection: resume tokens and the snapshots they unlock.
+
+A session that can be resumed (protocol v1) is given a **resume token** in ``session.ready``. After
+every change that matters (a turn, a reply, a setting) its gateway puts a :class:`Snapshot` of the
+conversation into a store every gateway replica shares, and once more when the connection ends.
+A client that reconnects within ``resume_window_s`` with the token gets the conversation back, on
+any gateway replica: history, agent settings (voice included), the TTS voice context, and its turn
+numbers; a reply that was in flight ends at what the client reports it received.
+
+The token is ``<session id>.<generation>.<HMAC>``: the HMAC binds the session id, the generation
+and the principal (who connected: see ``pipeline.auth.Authenticator.principal``) under a key only
+the store's holders know, so a token cannot be forged, nor used by another principal. Each resume
+takes a generation (the store holds one per session, and :meth:`SnapshotStore.take` moves it on
+atomically), so a token resumes once: a second resume with it, at the same time or later, is
+refused, and the session it replaced can no longer overwrite the snapshot. The resumed session
+gets a new token for the next drop.
+
+:class:`SnapshotStore` is the store's logic, framework-free and bounded: at most ``max_entries``
+sessions and ``max_bytes`` of snapshots (the oldest to be touched go first), each entry forgotten
+``window_s`` after its session was last seen alive. ``deployments/session_store.py`` serves one
+to every gateway replica.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import pickle
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from pipeline.agent import AgentSettings
+from pipeline.history import Item
+from pipeline.tts.prompt import Segment
+
+RESUME_PARAM = "resume"  # the token, in the reconnecting handshake's query
+RECEIVED_TURN_PARAM = "resume_turn"  # the turn of the last ``audio`` message the client received
+RECEIVED_SEQ_PARAM = "resume_seq"  # ... and its seq
+PARAMS = (RESUME_PARAM, RECEIVED_TURN_PARAM, RECEIVED_SEQ_PARAM)
+MAX_TOKEN_CHARS = 200
+
+# Why a resume is refused (the ``reason`` of ResumeRefused; the client starts afresh in every case).
+BAD_TOKEN = "bad_token"  # not a token this server issued, or not for this principal
+EXPIRED = "expired"  # no snapshot (the window passed, or the store lost it)
+TAKEN = "already_resumed"  # the token was used already (one resume per token)
+
+
+class ResumeRefused(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class InFlight:
+    """The reply that was being sent when the connection ended: its turn, its history item, and
+    the audio it had sent as ``(seq, samples of the item's audio up to the end of that message)``."""
+
+    turn: int
+    item_id: str
+    sent: list[tuple[int, int]] = field(default_factory=list)
+
+    def samples_received(self, turn: int | None, seq: int | None) -> int:
+        """The item's audio the client has, given the last ``audio`` message it received."""
+        if turn != self.turn or seq is None:
+            return 0
+        return max((end for s, end in self.sent if s <= seq), default=0)
+
+
+@dataclass
+class Snapshot:
+    """What a resumed conversation starts from (``Conversation.snapshot`` / ``restore``)."""
+
+    session_id: str
+    turn: int  # the last user turn that ended
+    items: list[Item]
+    agent: AgentSettings
+    context: list[Segment]
+    in_flight: InFlight | None = None
+    saved_at: float = 0.0  # Unix seconds
+
+    def dumps(self) -> bytes:
+        """A copy that later changes to the live conversation do not reach (and its size)."""
+        return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def loads(blob: bytes) -> "Snapshot":
+        return pickle.loads(blob)  # noqa: S301 - only ever what a gateway of this app put in the store
+
+
+class ResumeTokens:
+    """Signs and reads resume tokens under one key (the store's: every gateway replica asks it)."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+
+    def sign(self, session_id: str, generation: int, principal: str) -> str:
+        return f"{session_id}.{generation}.{self._mac(session_id, generation, principal)}"
+
+    def read(self, token: str, principal: str) -> tuple[str, int]:
+        """The token's session id and generation, or ResumeRefused(bad_token): malformed, forged,
+        or issued to another principal."""
+        parts = token.split(".") if isinstance(token, str) and len(token) <= MAX_TOKEN_CHARS else []
+        if len(parts) != 3 or not parts[1].isascii() or not parts[1].isdigit():
+            raise ResumeRefused(BAD_TOKEN, "the resume token is not valid")
+        session_id, generation, mac = parts[0], int(parts[1]), parts[2]
+        if not hmac.compare_digest(mac.encode(), self._mac(session_id, generation, principal).encode()):
+            raise ResumeRefused(BAD_TOKEN, "the resume token is not valid for this client")
+        return session_id, generation
+
+    def _mac(self, session_id: str, generation: int, principal: str) -> str:
+        body = f"{session_id}\n{generation}\n{principal}".encode()
+        return hmac.new(self._key, body, hashlib.sha256).hexdigest()[:32]
+
+
+@dataclass
+class _Entry:
+    generation: int
+    blob: bytes | None  # None until the session's first snapshot
+    alive_at: float  # when its session was last seen alive (a put or a touch)
+
+
+class SnapshotStore:
+    """The shared record of resumable sessions (see the module docstring). Every method is a few
+    dictionary operations; the store never blocks and never grows past its bounds."""
+
+    def __init__(self, window_s: float = 30.0, max_entries: int = 10_000, max_bytes: int = 256 << 20,
+                 max_snapshot_bytes: int = 8 << 20, clock: Callable[[], float] = time.time, key: bytes | None = None):
+        self.window_s = window_s
+        self.max_entries, self.max_bytes, self.max_snapshot_bytes = max_entries, max_bytes, max_snapshot_bytes
+        self.clock = clock
+        self.key = key or secrets.token_bytes(32)
+        self.tokens = ResumeTokens(self.key)
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently touched first
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, session_id: str, generation: int, blob: bytes) -> bool:
+        """Keep ``blob`` as the session's snapshot, unless a resume took the session past
+        ``generation`` (the caller was replaced: False) or it is larger than one snapshot may be."""
+        self._forget_expired()
+        entry = self._entries.get(session_id)
+        if entry is not None and entry.generation > generation:
+            return False
+        if len(blob) > self.max_snapshot_bytes:
+            return False
+        if entry is None:
+            entry = self._entries[session_id] = _Entry(generation, None, self.clock())
+        self.bytes += len(blob) - (len(entry.blob) if entry.blob else 0)
+        entry.generation, entry.blob, entry.alive_at = generation, blob, self.clock()
+        self._entries.move_to_end(session_id)
+        self._bound()
+        return True
+
+    def touch(self, session_ids: list[str]) -> None:
+        """These sessions are alive: their window starts again."""
+        now = self.clock()
+        for sid in session_ids:
+            entry = self._entries.get(sid)
+            if entry is not None:
+                entry.alive_at = now
+                self._entries.move_to_end(sid)
+
+    def take(self, token: str, principal: str) -> tuple[bytes, int]:
+        """Resume: the session's snapshot and the generation the resumed session holds, or
+        ResumeRefused. The token's generation is used up here, whatever follows."""
+        session_id, generation = self.tokens.read(token, principal)
+        self._forget_expired()
+        entry = self._entries.get(session_id)
+        if entry is None or entry.blob is None:
+            raise ResumeRefused(EXPIRED, f"nothing to resume: the session ended more than {self.window_s:g} s ago "
+                                         "or was never saved")
+        if entry.generation != generation:
+            raise ResumeRefused(TAKEN, "this resume token was used already; each token resumes once")
+        entry.generation += 1
+        entry.alive_at = self.clock()
+        self._entries.move_to_end(session_id)
+        return entry.blob, entry.generation
+
+    def forget(self, session_id: str, generation: int) -> None:
+        """The session ended for good (the client closed it): nothing to resume."""
+        entry = self._entries.get(session_id)
+        if entry is not None and entry.generation <= generation:
+            self._drop(session_id)
+
+    def _forget_expired(self) -> None:
+        horizon = self.clock() - self.window_s
+        while self._entries:
+            sid, entry = next(iter(self._entries.items()))
+            if entry.alive_at > horizon:
+                return
+            self._drop(sid)
+
+    def _bound(self) -> None:
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, session_id: str) -> None:
+        entry = self._entries.pop(session_id)
+        self.bytes -= len(entry.blob) if entry.blob else 0
+
+
+class Snapshots(Protocol):
+    """A :class:`SnapshotStore` as a session reaches it (in this process, or a Serve deployment)."""
+
+    async def key(self) -> bytes: ...
+    async def put(self, session_id: str, generation: int, blob: bytes) -> bool: ...
+    async def touch(self, session_ids: list[str]) -> None: ...
+    async def take(self, token: str, principal: str) -> tuple[bytes, int]: ...
+    async def forget(self, session_id: str, generation: int) -> None: ...
+
+
+class LocalSnapshots:
+    """A :class:`SnapshotStore` in this process, behind the async interface (tests, one gateway)."""
+
+    def __init__(self, store: SnapshotStore | None = None):
+        self.store = store if store is not None else SnapshotStore()
+
+    async def key(self) -> bytes:
+        return self.store.key
+
+    async def put(self, session_id: str, generation: int, blob: bytes) -> bool:
+        return self.store.put(session_id, generation, blob)
+
+    async def touch(self, session_ids: list[str]) -> None:
+        self.store.touch(session_ids)
+
+    async def take(self, token: str, principal: str) -> tuple[bytes, int]:
+        return self.store.take(token, principal)
+
+    async def forget(self, session_id: str, generation: int) -> None:
+        self.store.forget(session_id, generation)
+
+
+def received(query: dict[str, str]) -> tuple[int | None, int | None]:
+    """The (turn, seq) of the last ``audio`` message a reconnecting client says it received."""
+    def number(name: str) -> int | None:
+        value = query.get(name)
+        if value is None:
+            return None
+        if not (value.isascii() and value.isdigit() and len(value) <= 9):
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        return int(value)
+
+    return number(RECEIVED_TURN_PARAM), number(RECEIVED_SEQ_PARAM)
+
+
+def described(snapshot: Snapshot) -> dict[str, Any]:
+    """A short account of a snapshot, for logs."""
+    return {"session_id": snapshot.session_id, "turn": snapshot.turn, "items": len(snapshot.items),
+            "context": len(snapshot.context), "in_flight": snapshot.in_flight is not None}

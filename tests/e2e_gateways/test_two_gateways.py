@@ -1,0 +1,180 @@
+"""The app with two Gateway replicas and auth on: what holds across replicas.
+
+- A ticket opens one connection across gateway replicas (deployments/tickets.py): each ticket is
+  used twice; Ray's proxy spreads handshakes over both replicas, so with per-replica records about
+  half of the second uses would get in.
+- A dropped connection resumes on the other replica (deployments/session_store.py).
+- A redeploy that replaces both gateway replicas (`serve deploy` of a changed config) under three
+  conversations: each drained session resumes on another replica, none is lost, and every later
+  turn is answered in full. It runs last: it leaves the app redeployed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+import yaml
+
+from load.client import Conversation
+from pipeline import protocol as P
+from tests.e2e.serve_process import PORT, ROOT, URL, ServeProcess
+
+TICKETS = 8
+REPLICA = "x-gapless-replica"
+
+
+def _config(num_cpus_share: float = 2) -> dict:
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    app = cfg["applications"][0]
+    app["args"]["auth"] = {"mode": "token", "tokens_env": "GAPLESS_TOKENS"}
+    for d in app["deployments"]:
+        if d["name"] == "Gateway":  # two replicas in the CPU share of one (2 cores in all)
+            d["num_replicas"] = 2
+            d["ray_actor_options"]["num_cpus"] = d["ray_actor_options"]["num_cpus"] / num_cpus_share
+    return cfg
+
+
+def _write(cfg: dict, name: str) -> Path:
+    path = ROOT / "out" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_gateways():
+    path = _write(_config(), "serve_config.two_gateways.yaml")
+    token = secrets.token_urlsafe(32)
+    proc = ServeProcess(str(path), log_path=str(ROOT / "out" / "serve-two-gateways.log"),
+                        env={"GAPLESS_TOKENS": token})
+    proc.start()
+    proc.token = token
+    yield proc
+    proc.stop()
+
+
+async def _use(ticket: str, then=None) -> tuple[int, dict]:
+    """(101, session.ready) or (HTTP status, body); ``then()`` is awaited while the session is open."""
+    url = f"ws://127.0.0.1:{PORT}/v1/conversation?ticket={ticket}&turn_detection=manual"
+    try:
+        async with websockets.connect(url) as ws:
+            ready = P.unpack(await asyncio.wait_for(ws.recv(), 30))
+            return 101, ready, (await then() if then else None)
+    except websockets.InvalidStatus as exc:
+        return exc.response.status_code, json.loads(bytes(exc.response.body)), None
+
+
+def test_a_ticket_opens_one_connection_across_gateway_replicas(two_gateways):
+    headers = {"Authorization": f"Bearer {two_gateways.token}"}
+    tickets = [httpx.post(f"http://127.0.0.1:{PORT}/v1/session", headers=headers, timeout=30).json()["ticket"]
+               for _ in range(TICKETS)]
+
+    async def go():
+        # The second use comes while the first session is still open: Ray's router then prefers the
+        # other, idle gateway replica, which never saw the ticket.
+        return [await _use(t, then=lambda t=t: _use(t)) for t in tickets]
+
+    uses = asyncio.run(go())
+    assert [status for status, _, _ in uses] == [101] * TICKETS
+    assert [(again[0], again[1].get("code")) for _, _, again in uses] == [(401, "unauthorized")] * TICKETS
+
+
+def _replica(c: Conversation) -> str:
+    return c.ws.response.headers[REPLICA]
+
+
+def test_a_dropped_connection_resumes_on_the_other_gateway_replica(two_gateways):
+    """The link drops mid-reply (no close frame); the client resumes by itself. A second session
+    on the same replica makes Ray's proxy, which picks the replica with fewer open requests, send
+    the reconnection to the other one. The resumed session has the same id, its cut turn's number,
+    and answers the next turn, numbered after it, in full."""
+    async def go():
+        async with Conversation(URL, token=two_gateways.token, resume=True) as c:
+            await c.say_text("Hello there.")
+            home = _replica(c)
+            others = []
+            while not any(_replica(o) == home for o in others):
+                o = Conversation(URL, token=two_gateways.token)
+                await o.__aenter__()
+                others.append(o)
+            cut = await c.send_text_turn("Tell me a long story about the sea.")
+            await c.wait_for(lambda m: m["type"] == "audio" and m["turn"] == cut)
+            before = dict(c.ready)
+            c.drop()
+            back = await c.wait_for(lambda m: m["type"] == "<resumed>", timeout=30)
+            after = await c.say_text("And then what happened?")
+            for o in others:
+                await o.__aexit__()
+            return before, back, home, _replica(c), cut, after, c
+
+    before, back, home, there, cut, after, c = asyncio.run(go())
+    assert back["resumed"] is True and back["session_id"] == before["session_id"] and back["turn"] == cut
+    assert there != home, "the resumed session is on the other gateway replica"
+    assert c.resumes[0].close_code == 1006 and c.resumes[0].after_s < 2.0
+    assert c.turns[cut].interrupted is True and not c.turns[cut].lost
+    assert after.turn == cut + 1 and after.final_text == "And then what happened?"
+    assert after.interrupted is False and after.chunks and after.response_text
+    assert c.errors == []
+
+
+def _deploy(path: Path) -> None:
+    """``serve deploy`` onto the running cluster (the CLI needs Ray's token auth for it)."""
+    serve = str(Path(sys.executable).parent / "serve")
+    subprocess.run([serve, "deploy", str(path), "-a", "http://127.0.0.1:8265"], check=True, cwd=ROOT, timeout=60,
+                   env=dict(os.environ, RAY_AUTH_MODE="token"))
+
+
+def test_a_redeploy_of_the_gateways_keeps_every_conversation(two_gateways):
+    """Both gateway replicas replaced while three conversations talk (a changed gateway config,
+    as `serve deploy` of a new version does): each session on a stopping replica gets its reply's
+    response.done, going_away and close 1012, and resumes on another replica within 2 s; none is
+    lost, and every turn after the redeploy is answered in full. Runs last: the app stays redeployed."""
+    changed = _config(num_cpus_share=2.5)  # another CPU share: Serve replaces the replicas
+
+    async def talk(c: Conversation, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await c.say_text("Tell me about the weather today.")
+
+    async def go():
+        convs = [Conversation(URL, token=two_gateways.token, resume=True) for _ in range(3)]
+        for c in convs:
+            await c.__aenter__()
+        homes = {_replica(c) for c in convs}
+        stop = asyncio.Event()
+        talking = [asyncio.create_task(talk(c, stop)) for c in convs]
+        await asyncio.sleep(1.0)  # replies in flight
+        t0 = time.monotonic()
+        await asyncio.to_thread(_deploy, _write(changed, "serve_config.two_gateways.redeploy.yaml"))
+        while not all(c.resumes and c.resumes[-1].resumed_at and _replica(c) not in homes for c in convs):
+            if time.monotonic() - t0 > 120:
+                raise TimeoutError(f"not every session moved to a new replica: {[c.resumes for c in convs]}")
+            await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.gather(*talking)
+        later = [await c.say_text("And tomorrow?") for c in convs]
+        for c in convs:
+            await c.__aexit__()
+        return convs, later, time.monotonic() - t0
+
+    convs, later, took = asyncio.run(go())
+    print(json.dumps({"redeploy_s": round(took, 1), "resumes": [
+        [{"code": r.close_code, "after_s": round(r.after_s, 3), "attempts": r.attempts} for r in c.resumes]
+        for c in convs]}))
+    for c in convs:
+        assert c.errors == [] or all(e["code"] == P.E_SERVER_BUSY for e in c.errors), c.errors
+        assert c.resumes and all(r.resumed_at is not None and r.close_code == P.CLOSE_SERVICE_RESTART
+                                 for r in c.resumes)
+        assert all(r.after_s < 2.0 for r in c.resumes)
+        assert not any(tr.lost for tr in c.turns.values())
+        assert sorted(c.turns) == list(range(1, len(c.turns) + 1))  # no turn number reused or skipped
+    for tr in later:
+        assert tr.interrupted is False and tr.chunks and tr.response_text

@@ -1,0 +1,290 @@
+"""Resume after a dropped connection and drain (pipeline/resume.py, keeper.py, connection.py), in
+process on the real tiny engines: two registries stand for two gateway replicas sharing one store."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from pipeline import protocol as P
+from pipeline.auth import AuthConfig, Authenticator
+from pipeline.connection import Resumption, SessionRegistry, serve_connection
+from pipeline.keeper import Continuity
+from pipeline.llm.config import LLMConfig
+from pipeline.resume import BAD_TOKEN, EXPIRED, TAKEN, LocalSnapshots, ResumeRefused, SnapshotStore
+from pipeline.services import LocalBackends
+from pipeline.session_config import SessionConfig as _SessionConfig
+from pipeline.stt.config import STTConfig
+from pipeline.tts.config import TTSConfig
+from pipeline.tts.prompt import BOT_SPEAKER
+from tests.test_session import FakeConnection, SpyBackends, _done, _fresh
+
+FRAME = 1920  # 24 kHz samples of one Mimi frame (80 ms): the unit of the TTS context codes
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ---------------------------------------------------------------------------- the store and its tokens
+def test_a_token_resumes_once_for_its_principal_only():
+    store = SnapshotStore()
+    store.put("sess_a", 0, b"snapshot")
+    token = store.tokens.sign("sess_a", 0, "token:alice")
+    sid, gen, mac = token.split(".")
+    for forged in (f"{sid}.{gen}.{mac[:-1]}{'0' if mac[-1] != '0' else '1'}", f"sess_b.{gen}.{mac}",
+                   f"{sid}.1.{mac}", "garbage", "", f"{sid}.x.{mac}", token + ".x", "a" * 500):
+        with pytest.raises(ResumeRefused) as refused:
+            store.take(forged, "token:alice")
+        assert refused.value.reason == BAD_TOKEN
+    with pytest.raises(ResumeRefused) as refused:  # another principal's credentials
+        store.take(token, "token:bob")
+    assert refused.value.reason == BAD_TOKEN
+    with pytest.raises(ResumeRefused):  # a token signed under another store's key
+        store.take(SnapshotStore().tokens.sign("sess_a", 0, "token:alice"), "token:alice")
+    assert store.take(token, "token:alice") == (b"snapshot", 1)
+    with pytest.raises(ResumeRefused) as refused:  # once only
+        store.take(token, "token:alice")
+    assert refused.value.reason == TAKEN
+    assert store.put("sess_a", 0, b"late") is False  # the replaced session cannot overwrite it
+    assert store.put("sess_a", 1, b"newer") is True
+    assert store.take(store.tokens.sign("sess_a", 1, "token:alice"), "token:alice") == (b"newer", 2)
+
+
+def test_snapshots_expire_a_window_after_their_session_was_last_alive():
+    clock = Clock()
+    store = SnapshotStore(window_s=30, clock=clock)
+    for sid in ("sess_kept", "sess_gone"):
+        store.put(sid, 0, b"x")
+    clock.t += 20
+    store.touch(["sess_kept"])  # still connected
+    clock.t += 25  # 45 s after the put, 25 s after the touch
+    assert store.take(store.tokens.sign("sess_kept", 0, "p"), "p") == (b"x", 1)
+    with pytest.raises(ResumeRefused) as refused:
+        store.take(store.tokens.sign("sess_gone", 0, "p"), "p")
+    assert refused.value.reason == EXPIRED
+    assert len(store) == 1
+
+
+def test_the_store_is_bounded_in_entries_and_bytes():
+    store = SnapshotStore(max_entries=3, max_bytes=1000, max_snapshot_bytes=600)
+    for n in range(4):
+        store.put(f"sess_{n}", 0, b"x" * 100)
+    assert len(store) == 3 and store.bytes == 300  # the oldest went
+    with pytest.raises(ResumeRefused):
+        store.take(store.tokens.sign("sess_0", 0, "p"), "p")
+    assert store.put("sess_big", 0, b"x" * 601) is False  # one snapshot over its own limit
+    store.put("sess_a", 0, b"x" * 500)
+    store.put("sess_b", 0, b"x" * 500)
+    assert store.bytes <= 1000 and len(store) <= 3
+    store.put("sess_b", 0, b"x" * 10)  # a replaced snapshot's bytes are given back
+    assert store.bytes == sum(len(e.blob) for e in store._entries.values())
+
+
+def test_principals_follow_credentials_through_tickets():
+    a = Authenticator(AuthConfig(mode="token"), ("alice-token-" + "a" * 32, "bob-token-" + "b" * 32))
+    alice = {"authorization": "Bearer alice-token-" + "a" * 32}
+    bob = {"authorization": "Bearer bob-token-" + "b" * 32}
+    by_alice = a.principal(alice, {})
+    assert by_alice.startswith("token:") and by_alice != a.principal(bob, {})
+    assert "alice" not in by_alice  # an id of the token, never the token
+    ticket, _ = a.issue(for_token="alice-token-" + "a" * 32)
+    assert a.principal({}, {"ticket": ticket}) == by_alice
+    assert Authenticator(AuthConfig(mode="none"), ()).principal(bob, {}) == "anyone"
+
+
+# ---------------------------------------------------------------------------- sessions that resume
+@pytest.fixture(scope="module")
+def engines():
+    return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
+                               LLMConfig.tiny(token_delay_s=0.02, max_new_tokens=60), TTSConfig.tiny())
+
+
+def SessionConfig(**settings) -> _SessionConfig:
+    return _SessionConfig(**{"turn_detection": "manual", "barge_in": "words", **settings})
+
+
+class Replica:
+    """One gateway replica's sessions over a store every replica shares."""
+
+    def __init__(self, backends, snapshots, cfg, principal="anyone"):
+        self.backends, self.cfg, self.principal = backends, cfg, principal
+        self.registry = SessionRegistry(8)
+        self.continuity = Continuity(snapshots, window_s=30)
+
+    def connect(self, query: dict | None = None, principal: str | None = None):
+        conn = FakeConnection()
+        resumption = Resumption(self.continuity, principal or self.principal, dict(query or {}))
+        conn.served = asyncio.create_task(serve_connection(conn, self.backends, self.cfg, self.registry,
+                                                           resumption=resumption))
+        return conn
+
+    def session(self):
+        return next(iter(self.registry._sessions.values()))
+
+
+async def _ready(conn) -> dict:
+    await conn.rec.wait(lambda m: m["type"] in ("session.ready", "error"), timeout=30)
+    return conn.rec.msgs[0]
+
+
+def _audio(conn, turn):
+    return [m for m in conn.rec.turn(turn) if m["type"] == "audio"]
+
+
+def test_a_dropped_session_resumes_on_another_replica_as_the_client_had_it(engines):
+    """Drop mid-reply, the client having received fewer audio messages than were sent: the resumed
+    conversation (on the other replica) has the same history up to what the client heard, its
+    next reply's voice context holds the codes of the audio the client heard, and the turn
+    numbers go on."""
+    spy = SpyBackends(_fresh(engines))
+    snapshots = LocalSnapshots()
+    cfg = SessionConfig(pace_lead_s=0.05, context_turns=4)
+    one, two = Replica(spy, snapshots, cfg), Replica(spy, snapshots, cfg)
+
+    async def go():
+        first = one.connect()
+        ready = await _ready(first)
+        first.inbox.put_nowait(P.client_text("Tell me a long story about trains."))
+        s1 = None
+
+        def two_clauses_out(m):  # the reply has sent the audio of two clauses: cut inside it
+            return len(s1.core.reply.spoken) >= 2 if s1.core.reply is not None else False
+
+        await first.rec.wait(lambda m: m["type"] == "audio", timeout=60)
+        s1 = one.session()
+        await first.rec.wait(two_clauses_out, timeout=60)
+        first.leave()  # the link drops
+        await asyncio.wait_for(first.served, 30)
+        said = s1.core.history.items[-1]
+        heard = _audio(first, 1)[:1]  # the client got only the first audio message before the drop
+        heard_samples = sum(len(m["pcm"]) // 2 for m in heard)
+        tts_calls = len(spy.calls)
+        second = two.connect({"resume": ready["resume_token"], "resume_turn": "1", "resume_seq": "0"})
+        again = await _ready(second)
+        s2 = two.session()
+        resumed_items = [(i.role, i.text) for i in s2.core.history.items]
+        second.inbox.put_nowait(P.client_text("And then what happened?"))
+        await second.rec.wait(_done(2), timeout=60)
+        second.leave()
+        await asyncio.wait_for(second.served, 30)
+        return ready, again, said, heard_samples, resumed_items, spy.calls[tts_calls:], second
+
+    ready, again, said, heard_samples, resumed, later_calls, second = asyncio.run(go())
+    assert "resume_token" in ready and ready["resume_window_s"] == 30 and "resumed" not in ready
+    assert again["session_id"] == ready["session_id"] and again["resumed"] is True and again["turn"] == 1
+    assert again["resume_token"] != ready["resume_token"]  # a new token for the next drop
+    # what the dropped session remembered: every clause whose audio was sent (two or more)
+    assert said.role == "assistant" and len(said.clauses) >= 2
+    kept = " ".join(clause for start, clause in said.clauses if start < heard_samples)
+    assert resumed == [("user", "Tell me a long story about trains."), ("assistant", kept)]
+    assert kept and len(kept) < len(said.text)
+    # the next reply's voice context: the bot's turn as the client heard it, frame for frame
+    bot = [seg for seg in later_calls[0]["context"] if seg.speaker == BOT_SPEAKER]
+    assert len(bot) == 1 and bot[0].text == kept
+    np.testing.assert_array_equal(bot[0].codes, said.segment.codes[: -(-heard_samples // FRAME)])
+    assert [m["turn"] for m in second.rec.msgs if m["type"] == "transcript.final"] == [2]
+
+
+def test_resume_is_refused_after_the_window_forged_for_another_principal_and_twice(engines):
+    clock = Clock()
+    snapshots = LocalSnapshots(SnapshotStore(window_s=30, clock=clock))
+    cfg = SessionConfig(pace_lead_s=None)
+    replica = Replica(_fresh(engines), snapshots, cfg, principal="token:alice")
+
+    async def dropped() -> str:
+        conn = replica.connect()
+        ready = await _ready(conn)
+        conn.inbox.put_nowait(P.client_text("Hello there."))
+        await conn.rec.wait(_done(1), timeout=60)
+        conn.leave()
+        await asyncio.wait_for(conn.served, 30)
+        return ready["resume_token"]
+
+    async def attempt(token: str, principal: str | None = None):
+        conn = replica.connect({"resume": token}, principal)
+        first = await _ready(conn)
+        await asyncio.wait_for(conn.served, 30) if first["type"] == "error" else None
+        return conn, first
+
+    async def go():
+        out = {}
+        token = await dropped()
+        sid, gen, mac = token.split(".")
+        out["forged"] = (await attempt(f"{sid}.{gen}.{'0' * len(mac)}"))[0]
+        out["bob"] = (await attempt(token, "token:bob"))[0]
+        both = [replica.connect({"resume": token}), replica.connect({"resume": token})]
+        firsts = [await _ready(c) for c in both]
+        out["twice"] = firsts
+        for c in both:
+            if firsts[both.index(c)]["type"] == "session.ready":
+                c.leave()
+            await asyncio.wait_for(c.served, 30)
+        late = await dropped()
+        clock.t += 31
+        out["late"] = (await attempt(late))[0]
+        return out
+
+    out = asyncio.run(go())
+    for name in ("forged", "bob", "late"):
+        conn = out[name]
+        assert [m.get("code") for m in conn.rec.msgs] == [P.E_RESUME_REFUSED], (name, conn.rec.msgs)
+        assert conn.close_code == P.CLOSE_POLICY_VIOLATION
+    assert "not valid" in out["forged"].rec.msgs[0]["message"]
+    assert "more than 30 s ago" in out["late"].rec.msgs[0]["message"]
+    kinds = sorted(m["type"] for m in out["twice"])
+    assert kinds == ["error", "session.ready"]  # two at once: exactly one resumed
+    assert next(m for m in out["twice"] if m["type"] == "error")["code"] == P.E_RESUME_REFUSED
+
+
+def test_a_draining_replica_sends_its_sessions_to_resume_elsewhere(engines):
+    """drain(): the reply playing ends at a chunk (response.done interrupted), the client gets
+    going_away with its token and close 1012, and resumes on the other replica with what it had."""
+    snapshots = LocalSnapshots()
+    cfg = SessionConfig(pace_lead_s=0.05)
+    one, two = Replica(_fresh(engines), snapshots, cfg), Replica(_fresh(engines), snapshots, cfg)
+
+    async def go():
+        conns = [one.connect() for _ in range(3)]
+        readies = [await _ready(c) for c in conns]
+        for c in conns:
+            c.inbox.put_nowait(P.client_text("Tell me a long story about ships."))
+        for c in conns:
+            await c.rec.wait(lambda m: m["type"] == "audio", timeout=60)
+        drained = list(one.registry._sessions.values())
+        left = await one.registry.drain(timeout_s=10)
+        for c in conns:
+            await asyncio.wait_for(c.served, 10)
+        dropped_history = {}
+        resumed = []
+        for c in conns:
+            away = c.rec.msgs[-1]
+            last = _audio(c, 1)[-1]
+            again = two.connect({"resume": away["resume_token"], "resume_turn": "1", "resume_seq": str(last["seq"])})
+            resumed.append((await _ready(again), again))
+        histories = {s.id: [(i.role, i.text) for i in s.core.history.items] for s in two.registry._sessions.values()}
+        had = {s.id: [(i.role, i.text) for i in s.core.history.items] for s in drained}
+        for _, again in resumed:
+            again.leave()
+            await asyncio.wait_for(again.served, 30)
+        return conns, readies, left, resumed, histories, had
+
+    conns, readies, left, resumed, histories, had = asyncio.run(go())
+    assert left == 0 and len(one.registry) == 0
+    for c, ready in zip(conns, readies):
+        types = [m["type"] for m in c.rec.msgs]
+        assert types[-2:] == ["response.done", "going_away"] and c.rec.msgs[-2]["interrupted"] is True
+        assert c.rec.msgs[-1]["resume_token"] == ready["resume_token"]
+        assert c.close_code == P.CLOSE_SERVICE_RESTART
+    for (again, _), ready in zip(resumed, readies):
+        assert again["type"] == "session.ready" and again["resumed"] is True
+        assert again["session_id"] == ready["session_id"]
+    # each resumed where its drained session stopped: the client had every audio message sent
+    assert histories == had and len(had) == 3
+    for history in histories.values():
+        assert [role for role, _ in history] == ["user", "assistant"] and history[1][1]
