@@ -177,7 +177,7 @@ class Conversation:
             if first["type"] == "session.ready":
                 self.ws, record.resumed_at = ws, time.monotonic()
                 self._ready(first)
-                await self._inbox.put({"type": "<resumed>", **first})
+                await self._inbox.put({**first, "type": "<resumed>"})
                 await self._end_cut_turns(first.get("turn", 0), record.resumed_at)
                 return True
             await ws.close()

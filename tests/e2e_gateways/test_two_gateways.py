@@ -17,6 +17,7 @@ import secrets
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,7 @@ import pytest
 import websockets
 import yaml
 
+from load import browser
 from load.client import Conversation
 from pipeline import protocol as P
 from tests.e2e.serve_process import PORT, ROOT, URL, ServeProcess
@@ -137,40 +139,28 @@ def test_a_redeploy_of_the_gateways_keeps_every_conversation(two_gateways):
     """Both gateway replicas replaced while three conversations talk (a changed gateway config,
     as `serve deploy` of a new version does): each session on a stopping replica gets its reply's
     response.done, going_away and close 1012, and resumes on another replica within 2 s; none is
-    lost, and every turn after the redeploy is answered in full. Runs last: the app stays redeployed."""
+    lost, and every turn after the redeploy is answered in full. The web page, connected beside
+    them (in Chromium), resumes by itself too and answers its next turn. Runs last: the app stays
+    redeployed."""
     changed = _config(num_cpus_share=2.5)  # another CPU share: Serve replaces the replicas
-
-    async def talk(c: Conversation, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await c.say_text("Tell me about the weather today.")
-
-    async def go():
-        convs = [Conversation(URL, token=two_gateways.token, resume=True) for _ in range(3)]
-        for c in convs:
-            await c.__aenter__()
-        homes = {_replica(c) for c in convs}
-        stop = asyncio.Event()
-        talking = [asyncio.create_task(talk(c, stop)) for c in convs]
-        await asyncio.sleep(1.0)  # replies in flight
-        t0 = time.monotonic()
-        await asyncio.to_thread(_deploy, _write(changed, "serve_config.two_gateways.redeploy.yaml"))
-        while not all(c.resumes and c.resumes[-1].resumed_at and _replica(c) not in homes for c in convs):
-            if time.monotonic() - t0 > 120:
-                raise TimeoutError(f"not every session moved to a new replica: {[c.resumes for c in convs]}")
-            await asyncio.sleep(0.2)
-        stop.set()
-        await asyncio.gather(*talking)
-        later = [await c.say_text("And tomorrow?") for c in convs]
-        for c in convs:
-            await c.__aexit__()
-        return convs, later, time.monotonic() - t0
-
-    convs, later, took = asyncio.run(go())
-    print(json.dumps({"redeploy_s": round(took, 1), "resumes": [
+    with browser.Page(f"http://127.0.0.1:{PORT}/?mode=manual") as page:  # push-to-talk: the microphone stays unsent
+        page.connect()  # asks for the token
+        page.connect(token=two_gateways.token)
+        assert page.state()["status"].startswith("connected"), page.state()["errors"]
+        told = len(page.state()["errors"])  # "this server needs a token", from the first connect
+        with ThreadPoolExecutor(1) as pool:  # Playwright's sync API holds this thread's event loop
+            convs, later, took = pool.submit(asyncio.run, _talk_through_a_redeploy(two_gateways.token, changed)).result()
+        page.wait("g.resumed >= 1 && g.status.startsWith('connected')", timeout_s=30)
+        page.type_turn("Are you still there?")
+        typed = page.wait_turn_done(1, timeout_s=60)
+        seen = page.state()
+    print(json.dumps({"redeploy_s": round(took, 1), "page_drops": seen["drops"], "resumes": [
         [{"code": r.close_code, "after_s": round(r.after_s, 3), "attempts": r.attempts} for r in c.resumes]
         for c in convs]}))
+    assert seen["drops"] and all(d["code"] == P.CLOSE_SERVICE_RESTART for d in seen["drops"])
+    assert typed["interrupted"] is False and typed["chunks"] > 0 and seen["errors"][told:] == [], seen["errors"]
     for c in convs:
-        assert c.errors == [] or all(e["code"] == P.E_SERVER_BUSY for e in c.errors), c.errors
+        assert c.errors == [], c.errors
         assert c.resumes and all(r.resumed_at is not None and r.close_code == P.CLOSE_SERVICE_RESTART
                                  for r in c.resumes)
         assert all(r.after_s < 2.0 for r in c.resumes)
@@ -178,3 +168,45 @@ def test_a_redeploy_of_the_gateways_keeps_every_conversation(two_gateways):
         assert sorted(c.turns) == list(range(1, len(c.turns) + 1))  # no turn number reused or skipped
     for tr in later:
         assert tr.interrupted is False and tr.chunks and tr.response_text
+
+
+async def _talk_through_a_redeploy(token: str, changed: dict):
+    """Three conversations talk while `serve deploy` replaces the gateway replicas, until each is
+    on a new one; then each says one more turn."""
+    async def talk(c: Conversation, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await c.say_text("Tell me about the weather today.")
+
+    old = await _replicas(token)
+    convs = [Conversation(URL, token=token, resume=True) for _ in range(3)]
+    for c in convs:
+        await c.__aenter__()
+    stop = asyncio.Event()
+    talking = [asyncio.create_task(talk(c, stop)) for c in convs]
+    await asyncio.sleep(1.0)  # replies in flight
+    t0 = time.monotonic()
+    await asyncio.to_thread(_deploy, _write(changed, "serve_config.two_gateways.redeploy.yaml"))
+    while not all(c.resumes and c.resumes[-1].resumed_at and _replica(c) not in old for c in convs):
+        if time.monotonic() - t0 > 120:
+            raise TimeoutError(f"not every session moved to a new replica: {[c.resumes for c in convs]}")
+        await asyncio.sleep(0.2)
+    stop.set()
+    await asyncio.gather(*talking)
+    later = [await c.say_text("And tomorrow?") for c in convs]
+    for c in convs:
+        await c.__aexit__()
+    return convs, later, time.monotonic() - t0
+
+
+async def _replicas(token: str) -> set[str]:
+    """The gateway replicas serving now (both: connections are opened until two answer)."""
+    seen, held = set(), []
+    while len(seen) < 2 and len(held) < 16:
+        c = Conversation(URL, token=token)
+        await c.__aenter__()
+        held.append(c)
+        seen.add(_replica(c))
+    for c in held:
+        await c.__aexit__()
+    assert len(seen) == 2, seen
+    return seen
