@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from pipeline.resume import ResumeRefused, SnapshotStore
+from pipeline.resume import LocalSnapshots, ResumeRefused, SnapshotStore
 
 
 class RaySnapshots:
@@ -43,34 +43,21 @@ class RaySnapshots:
             raise ResumeRefused(*answer)
         return blob, answer
 
-    async def forget(self, session_id: str, generation: int) -> None:
-        await self.handle.forget.remote(session_id, generation)
-
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
-class SessionStore:
+class SessionStore(LocalSnapshots):
+    """The store's replica: ``LocalSnapshots``' methods, served to every gateway replica."""
+
     def __init__(self, window_s: float = 30.0, max_entries: int = 10_000, max_bytes: int = 256 << 20):
-        self.store = SnapshotStore(window_s=window_s, max_entries=max_entries, max_bytes=max_bytes)
-
-    async def key(self) -> bytes:
-        return self.store.key
-
-    async def put(self, session_id: str, generation: int, blob: bytes) -> bool:
-        return self.store.put(session_id, generation, blob)
-
-    async def touch(self, session_ids: list[str]) -> None:
-        self.store.touch(session_ids)
+        super().__init__(SnapshotStore(window_s=window_s, max_entries=max_entries, max_bytes=max_bytes))
 
     async def take(self, token: str, principal: str) -> tuple[bytes, int] | tuple[None, tuple[str, str]]:
         """(snapshot, generation), or (None, (reason, message)) for a refusal: an exception's own
         type does not survive the trip back through Ray."""
         try:
-            return self.store.take(token, principal)
+            return await super().take(token, principal)
         except ResumeRefused as refused:
             return None, (refused.reason, str(refused))
-
-    async def forget(self, session_id: str, generation: int) -> None:
-        self.store.forget(session_id, generation)
 
     async def ready(self) -> bool:
         return True

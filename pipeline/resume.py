@@ -29,7 +29,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from pipeline.agent import AgentSettings
 from pipeline.history import Item
@@ -181,12 +181,6 @@ class SnapshotStore:
         self._entries.move_to_end(session_id)
         return entry.blob, entry.generation
 
-    def forget(self, session_id: str, generation: int) -> None:
-        """The session ended for good (the client closed it): nothing to resume."""
-        entry = self._entries.get(session_id)
-        if entry is not None and entry.generation <= generation:
-            self._drop(session_id)
-
     def _forget_expired(self) -> None:
         horizon = self.clock() - self.window_s
         while self._entries:
@@ -211,7 +205,6 @@ class Snapshots(Protocol):
     async def put(self, session_id: str, generation: int, blob: bytes) -> bool: ...
     async def touch(self, session_ids: list[str]) -> None: ...
     async def take(self, token: str, principal: str) -> tuple[bytes, int]: ...
-    async def forget(self, session_id: str, generation: int) -> None: ...
 
 
 class LocalSnapshots:
@@ -232,9 +225,6 @@ class LocalSnapshots:
     async def take(self, token: str, principal: str) -> tuple[bytes, int]:
         return self.store.take(token, principal)
 
-    async def forget(self, session_id: str, generation: int) -> None:
-        self.store.forget(session_id, generation)
-
 
 def received(query: dict[str, str]) -> tuple[int | None, int | None]:
     """The (turn, seq) of the last ``audio`` message a reconnecting client says it received."""
@@ -247,9 +237,3 @@ def received(query: dict[str, str]) -> tuple[int | None, int | None]:
         return int(value)
 
     return number(RECEIVED_TURN_PARAM), number(RECEIVED_SEQ_PARAM)
-
-
-def described(snapshot: Snapshot) -> dict[str, Any]:
-    """A short account of a snapshot, for logs."""
-    return {"session_id": snapshot.session_id, "turn": snapshot.turn, "items": len(snapshot.items),
-            "context": len(snapshot.context), "in_flight": snapshot.in_flight is not None}
