@@ -8,9 +8,12 @@ its event loop, and it is bounded (entries, bytes, and the resume window).
 
 Why a Serve deployment: it lives and is health-checked with the app, needs nothing else to run,
 and every gateway already talks to deployments through handles; a put is one handle call beside
-the conversation. What it does not give: its snapshots die with its replica (resume then fails,
-``resume_refused`` expired, and the client starts afresh; calls in progress go on), and one
-replica serves every gateway. At larger scale, or where a resume must survive the store's own
+the conversation. What it does not give: its snapshots live in its replica's memory. When Serve
+replaces it (an app redeploy may), the sessions still connected are put again by their gateways
+within ``resume_window_s / 3`` (a touch finds them unknown), and a draining gateway retries its
+last snapshots for a few seconds until the new replica takes them; the snapshots of sessions
+already dropped are lost (their resume is refused as expired, and the client starts afresh).
+And one replica serves every gateway. At larger scale, or where a resume must survive the store's own
 loss, an external store does the same with a key per session (Redis: ``SET`` with ``PX`` of the
 window, a generation compared and moved on atomically in a Lua script or ``WATCH``/``MULTI``),
 replicated, and shared by several Ray clusters.
@@ -28,14 +31,11 @@ class RaySnapshots:
     def __init__(self, handle):
         self.handle = handle
 
-    async def key(self) -> bytes:
-        return await self.handle.key.remote()
+    async def put(self, session_id: str, generation: int, principal: str, digest: str, blob: bytes) -> bool:
+        return await self.handle.put.remote(session_id, generation, principal, digest, blob)
 
-    async def put(self, session_id: str, generation: int, blob: bytes) -> bool:
-        return await self.handle.put.remote(session_id, generation, blob)
-
-    async def touch(self, session_ids: list[str]) -> None:
-        await self.handle.touch.remote(session_ids)
+    async def touch(self, session_ids: list[str]) -> list[str]:
+        return await self.handle.touch.remote(session_ids)
 
     async def take(self, token: str, principal: str) -> tuple[bytes, int]:
         blob, answer = await self.handle.take.remote(token, principal)

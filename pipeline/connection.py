@@ -120,7 +120,8 @@ async def serve_connection(conn: Connection, backends: Backends, cfg: SessionCon
     keeper = Keeper(resumption.continuity, session, resumption.principal, generation) if resumption else None
     registry.add(session)
     try:
-        keeper = await _keep(keeper)
+        if keeper is not None:
+            keeper.start()
         await session.start()
         if await _receive_loop(conn, session) == LEAVING:
             await _leave(conn, session, keeper)
@@ -155,18 +156,6 @@ async def _take_snapshot(conn: Connection, resumption: Resumption, session_class
         await _refuse(conn, session_class, P.E_SERVER_BUSY, "sessions cannot be resumed right now; try again "
                       "shortly", P.CLOSE_TRY_AGAIN_LATER, "server busy")
     return False
-
-
-async def _keep(keeper: Keeper | None) -> Keeper | None:
-    """Start keeping the session resumable; without the store it goes on, not resumable."""
-    if keeper is None:
-        return None
-    try:
-        await keeper.start()
-        return keeper
-    except EngineUnavailable as exc:
-        log.warning("session %s is not resumable: the session store did not answer (%s)", keeper.session.id, exc)
-        return None
 
 
 async def _leave(conn: Connection, session: Session, keeper: Keeper | None) -> None:

@@ -1,12 +1,13 @@
 """A live session kept resumable: its snapshots go to the shared store as the conversation changes.
 
 One :class:`Keeper` per resumable connection (``pipeline.connection.serve_connection`` makes it).
-It puts a snapshot after each change of what a resumed conversation starts from (the core sets
-``state_changed``: a turn, a reply remembered, a setting, the voice context), at most one put in
-flight (changes meanwhile are coalesced into the next), tells the store the session is alive
-while nothing changes, and puts a last one, with the reply that was in flight, when the
-connection ends. The store being slow or gone never holds up the conversation: puts run beside
-it, each bounded in time; a failed one is logged and the next change tries again.
+It makes the session's resume token, puts a snapshot after each change of what a resumed
+conversation starts from (the core sets ``state_changed``: a turn, a reply remembered, a setting,
+the voice context), at most one put in flight (changes meanwhile are coalesced into the next),
+tells the store the session is alive while nothing changes (and puts it again if the store no
+longer knows it: a replaced store replica), and puts a last one, with the reply that was in
+flight, when the connection ends. The store being slow or gone never holds up the conversation:
+puts run beside it, each bounded in time; a failed one is logged and the next change tries again.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import logging
 from dataclasses import dataclass
 
 from pipeline.engines import bounded
-from pipeline.resume import ResumeRefused, ResumeTokens, Snapshot, Snapshots
+from pipeline.resume import ResumeRefused, Snapshot, Snapshots, new_token
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 2.0
+LAST_SAVE_S = 5.0  # the last snapshot is tried again this long (a store replica being replaced)
 
 
 @dataclass
@@ -28,13 +30,6 @@ class Continuity:
 
     snapshots: Snapshots
     window_s: float
-    _tokens: ResumeTokens | None = None
-
-    async def tokens(self) -> ResumeTokens:
-        """The store's token key, asked for once."""
-        if self._tokens is None:
-            self._tokens = ResumeTokens(await bounded(self.snapshots.key(), STORE_TIMEOUT_S))
-        return self._tokens
 
     async def take(self, token: str, principal: str) -> tuple[Snapshot, int]:
         """The snapshot a resume token unlocks and the generation the resumed session holds, or
@@ -47,14 +42,14 @@ class Keeper:
     def __init__(self, continuity: Continuity, session, principal: str, generation: int = 0):
         self.continuity, self.session, self.principal, self.generation = continuity, session, principal, generation
         self.token: str | None = None
+        self._digest = ""  # of the token's secret, kept by the store with the snapshot
         self._task: asyncio.Task | None = None
         self._finished = False
         self.saves = 0  # snapshots the store took (for tests and tools)
 
-    async def start(self) -> None:
-        """Sign the session's resume token (told in session.ready) and start keeping it."""
-        tokens = await self.continuity.tokens()
-        self.token = tokens.sign(self.session.id, self.generation, self.principal)
+    def start(self) -> None:
+        """Make the session's resume token (told in session.ready) and start keeping it."""
+        self.token, self._digest = new_token(self.session.id, self.generation)
         fields = {"resume_token": self.token, "resume_window_s": self.continuity.window_s}
         if self.generation > 0:  # a resumed conversation: where it had got to
             fields.update(resumed=True, turn=self.session.core.turn)
@@ -68,7 +63,8 @@ class Keeper:
             try:
                 await asyncio.wait_for(changed.wait(), timeout=self.continuity.window_s / 3)
             except asyncio.TimeoutError:
-                await self._call(self.continuity.snapshots.touch([self.session.id]))
+                if await self._call(self.continuity.snapshots.touch([self.session.id])):
+                    changed.set()  # the store does not know it (a new store replica): put it again
                 continue
             if self._finished:
                 return
@@ -78,7 +74,8 @@ class Keeper:
     async def save(self, in_flight=None) -> bool:
         """Put the conversation as it is now; False if the store did not take it."""
         blob = self.session.core.snapshot(in_flight).dumps()
-        took = await self._call(self.continuity.snapshots.put(self.session.id, self.generation, blob))
+        took = await self._call(self.continuity.snapshots.put(self.session.id, self.generation, self.principal,
+                                                              self._digest, blob))
         self.saves += bool(took)
         return bool(took)
 
@@ -91,7 +88,9 @@ class Keeper:
             self.session.core.state_changed.set()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        await self.save(self.session.in_flight())
+        deadline = asyncio.get_running_loop().time() + LAST_SAVE_S
+        while not await self.save(self.session.in_flight()) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.25)
 
     async def _call(self, call):
         try:

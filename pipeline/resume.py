@@ -7,13 +7,16 @@ A client that reconnects within ``resume_window_s`` with the token gets the conv
 any gateway replica: history, agent settings (voice included), the TTS voice context, and its turn
 numbers; a reply that was in flight ends at what the client reports it received.
 
-The token is ``<session id>.<generation>.<HMAC>``: the HMAC binds the session id, the generation
-and the principal (who connected: see ``pipeline.auth.Authenticator.principal``) under a key only
-the store's holders know, so a token cannot be forged, nor used by another principal. Each resume
-takes a generation (the store holds one per session, and :meth:`SnapshotStore.take` moves it on
-atomically), so a token resumes once: a second resume with it, at the same time or later, is
-refused, and the session it replaced can no longer overwrite the snapshot. The resumed session
-gets a new token for the next drop.
+The token is ``<session id>.<generation>.<secret>``, 128 random bits the session's gateway made;
+the store keeps the secret's digest with the snapshot, and the principal (who connected: see
+``pipeline.auth.Authenticator.principal``), so a token cannot be guessed, nor used with other
+credentials. (In place of an HMAC under a shared key: that key would have to be the same on every
+gateway and store replica and outlive their replacements; a digest kept with the snapshot needs
+neither, and a gateway that finds the store replaced puts its sessions back, digests and all.)
+Each resume takes a generation (the store holds one per session, and :meth:`SnapshotStore.take`
+moves it on atomically), so a token resumes once: a second resume with it, at the same time or
+later, is refused, and the session it replaced can no longer overwrite the snapshot. The resumed
+session gets a new token for the next drop.
 
 :class:`SnapshotStore` is the store's logic, framework-free and bounded: at most ``max_entries``
 sessions and ``max_bytes`` of snapshots (the oldest to be touched go first), each entry forgotten
@@ -90,35 +93,30 @@ class Snapshot:
         return pickle.loads(blob)  # noqa: S301 - only ever what a gateway of this app put in the store
 
 
-class ResumeTokens:
-    """Signs and reads resume tokens under one key (the store's: every gateway replica asks it)."""
+def new_token(session_id: str, generation: int) -> tuple[str, str]:
+    """A fresh resume token for the session at this generation, and its digest for the store."""
+    secret = secrets.token_urlsafe(16)
+    return f"{session_id}.{generation}.{secret}", _digest(secret)
 
-    def __init__(self, key: bytes):
-        self._key = key
 
-    def sign(self, session_id: str, generation: int, principal: str) -> str:
-        return f"{session_id}.{generation}.{self._mac(session_id, generation, principal)}"
+def read_token(token: str) -> tuple[str, int, str]:
+    """(session id, generation, the secret's digest), or ResumeRefused(bad_token) if malformed."""
+    parts = token.split(".") if isinstance(token, str) and len(token) <= MAX_TOKEN_CHARS else []
+    if len(parts) != 3 or not parts[1].isascii() or not parts[1].isdigit() or not parts[2]:
+        raise ResumeRefused(BAD_TOKEN, "the resume token is not valid")
+    return parts[0], int(parts[1]), _digest(parts[2])
 
-    def read(self, token: str, principal: str) -> tuple[str, int]:
-        """The token's session id and generation, or ResumeRefused(bad_token): malformed, forged,
-        or issued to another principal."""
-        parts = token.split(".") if isinstance(token, str) and len(token) <= MAX_TOKEN_CHARS else []
-        if len(parts) != 3 or not parts[1].isascii() or not parts[1].isdigit():
-            raise ResumeRefused(BAD_TOKEN, "the resume token is not valid")
-        session_id, generation, mac = parts[0], int(parts[1]), parts[2]
-        if not hmac.compare_digest(mac.encode(), self._mac(session_id, generation, principal).encode()):
-            raise ResumeRefused(BAD_TOKEN, "the resume token is not valid for this client")
-        return session_id, generation
 
-    def _mac(self, session_id: str, generation: int, principal: str) -> str:
-        body = f"{session_id}\n{generation}\n{principal}".encode()
-        return hmac.new(self._key, body, hashlib.sha256).hexdigest()[:32]
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 @dataclass
 class _Entry:
     generation: int
-    blob: bytes | None  # None until the session's first snapshot
+    principal: str
+    digest: str  # of the secret of the session's current token
+    blob: bytes
     alive_at: float  # when its session was last seen alive (a put or a touch)
 
 
@@ -127,53 +125,56 @@ class SnapshotStore:
     dictionary operations; the store never blocks and never grows past its bounds."""
 
     def __init__(self, window_s: float = 30.0, max_entries: int = 10_000, max_bytes: int = 256 << 20,
-                 max_snapshot_bytes: int = 8 << 20, clock: Callable[[], float] = time.time, key: bytes | None = None):
+                 max_snapshot_bytes: int = 8 << 20, clock: Callable[[], float] = time.time):
         self.window_s = window_s
         self.max_entries, self.max_bytes, self.max_snapshot_bytes = max_entries, max_bytes, max_snapshot_bytes
         self.clock = clock
-        self.key = key or secrets.token_bytes(32)
-        self.tokens = ResumeTokens(self.key)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently touched first
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, session_id: str, generation: int, blob: bytes) -> bool:
-        """Keep ``blob`` as the session's snapshot, unless a resume took the session past
-        ``generation`` (the caller was replaced: False) or it is larger than one snapshot may be."""
+    def put(self, session_id: str, generation: int, principal: str, digest: str, blob: bytes) -> bool:
+        """Keep ``blob`` as the session's snapshot, with who may resume it (``principal``, and the
+        digest of its token's secret), unless a resume took the session past ``generation`` (the
+        caller was replaced: False) or it is larger than one snapshot may be."""
         self._forget_expired()
         entry = self._entries.get(session_id)
         if entry is not None and entry.generation > generation:
             return False
         if len(blob) > self.max_snapshot_bytes:
             return False
-        if entry is None:
-            entry = self._entries[session_id] = _Entry(generation, None, self.clock())
-        self.bytes += len(blob) - (len(entry.blob) if entry.blob else 0)
-        entry.generation, entry.blob, entry.alive_at = generation, blob, self.clock()
+        self.bytes += len(blob) - (len(entry.blob) if entry is not None else 0)
+        self._entries[session_id] = _Entry(generation, principal, digest, blob, self.clock())
         self._entries.move_to_end(session_id)
         self._bound()
         return True
 
-    def touch(self, session_ids: list[str]) -> None:
-        """These sessions are alive: their window starts again."""
-        now = self.clock()
+    def touch(self, session_ids: list[str]) -> list[str]:
+        """These sessions are alive: their window starts again. Returns those it does not hold (a
+        replaced store: their gateways put them again)."""
+        now, unknown = self.clock(), []
         for sid in session_ids:
             entry = self._entries.get(sid)
-            if entry is not None:
-                entry.alive_at = now
-                self._entries.move_to_end(sid)
+            if entry is None:
+                unknown.append(sid)
+                continue
+            entry.alive_at = now
+            self._entries.move_to_end(sid)
+        return unknown
 
     def take(self, token: str, principal: str) -> tuple[bytes, int]:
         """Resume: the session's snapshot and the generation the resumed session holds, or
         ResumeRefused. The token's generation is used up here, whatever follows."""
-        session_id, generation = self.tokens.read(token, principal)
+        session_id, generation, digest = read_token(token)
         self._forget_expired()
         entry = self._entries.get(session_id)
-        if entry is None or entry.blob is None:
+        if entry is None:
             raise ResumeRefused(EXPIRED, f"nothing to resume: the session ended more than {self.window_s:g} s ago "
                                          "or was never saved")
+        if not (hmac.compare_digest(digest, entry.digest) and hmac.compare_digest(principal, entry.principal)):
+            raise ResumeRefused(BAD_TOKEN, "the resume token is not valid for this client")
         if entry.generation != generation:
             raise ResumeRefused(TAKEN, "this resume token was used already; each token resumes once")
         entry.generation += 1
@@ -194,16 +195,14 @@ class SnapshotStore:
             self._drop(next(iter(self._entries)))
 
     def _drop(self, session_id: str) -> None:
-        entry = self._entries.pop(session_id)
-        self.bytes -= len(entry.blob) if entry.blob else 0
+        self.bytes -= len(self._entries.pop(session_id).blob)
 
 
 class Snapshots(Protocol):
     """A :class:`SnapshotStore` as a session reaches it (in this process, or a Serve deployment)."""
 
-    async def key(self) -> bytes: ...
-    async def put(self, session_id: str, generation: int, blob: bytes) -> bool: ...
-    async def touch(self, session_ids: list[str]) -> None: ...
+    async def put(self, session_id: str, generation: int, principal: str, digest: str, blob: bytes) -> bool: ...
+    async def touch(self, session_ids: list[str]) -> list[str]: ...
     async def take(self, token: str, principal: str) -> tuple[bytes, int]: ...
 
 
@@ -213,14 +212,11 @@ class LocalSnapshots:
     def __init__(self, store: SnapshotStore | None = None):
         self.store = store if store is not None else SnapshotStore()
 
-    async def key(self) -> bytes:
-        return self.store.key
+    async def put(self, session_id: str, generation: int, principal: str, digest: str, blob: bytes) -> bool:
+        return self.store.put(session_id, generation, principal, digest, blob)
 
-    async def put(self, session_id: str, generation: int, blob: bytes) -> bool:
-        return self.store.put(session_id, generation, blob)
-
-    async def touch(self, session_ids: list[str]) -> None:
-        self.store.touch(session_ids)
+    async def touch(self, session_ids: list[str]) -> list[str]:
+        return self.store.touch(session_ids)
 
     async def take(self, token: str, principal: str) -> tuple[bytes, int]:
         return self.store.take(token, principal)

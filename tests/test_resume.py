@@ -12,7 +12,7 @@ from pipeline.auth import AuthConfig, Authenticator
 from pipeline.connection import Resumption, SessionRegistry, serve_connection
 from pipeline.keeper import Continuity
 from pipeline.llm.config import LLMConfig
-from pipeline.resume import BAD_TOKEN, EXPIRED, TAKEN, LocalSnapshots, ResumeRefused, SnapshotStore
+from pipeline.resume import BAD_TOKEN, EXPIRED, TAKEN, LocalSnapshots, ResumeRefused, Snapshot, SnapshotStore, new_token
 from pipeline.services import LocalBackends
 from pipeline.session_config import SessionConfig as _SessionConfig
 from pipeline.stt.config import STTConfig
@@ -32,57 +32,65 @@ class Clock:
 
 
 # ---------------------------------------------------------------------------- the store and its tokens
+def _put(store, sid, generation=0, principal="p", blob=b"x"):
+    """Put a snapshot as a keeper does; the token that resumes it."""
+    token, digest = new_token(sid, generation)
+    return token if store.put(sid, generation, principal, digest, blob) else None
+
+
 def test_a_token_resumes_once_for_its_principal_only():
     store = SnapshotStore()
-    store.put("sess_a", 0, b"snapshot")
-    token = store.tokens.sign("sess_a", 0, "token:alice")
-    sid, gen, mac = token.split(".")
-    for forged in (f"{sid}.{gen}.{mac[:-1]}{'0' if mac[-1] != '0' else '1'}", f"sess_b.{gen}.{mac}",
-                   f"{sid}.1.{mac}", "garbage", "", f"{sid}.x.{mac}", token + ".x", "a" * 500):
+    token = _put(store, "sess_a", principal="token:alice", blob=b"snapshot")
+    sid, gen, secret = token.split(".")
+    other = SnapshotStore()
+    for forged in (f"{sid}.{gen}.{secret[:-1]}{'A' if secret[-1] != 'A' else 'B'}", f"{sid}.{gen}.x",
+                   _put(other, "sess_a", principal="token:alice")):  # the right form, another secret
         with pytest.raises(ResumeRefused) as refused:
             store.take(forged, "token:alice")
+        assert refused.value.reason == BAD_TOKEN
+    for malformed in ("garbage", "", f"{sid}.x.{secret}", f"{sid}.{gen}.", token + ".x", "a" * 500):
+        with pytest.raises(ResumeRefused) as refused:
+            store.take(malformed, "token:alice")
         assert refused.value.reason == BAD_TOKEN
     with pytest.raises(ResumeRefused) as refused:  # another principal's credentials
         store.take(token, "token:bob")
     assert refused.value.reason == BAD_TOKEN
-    with pytest.raises(ResumeRefused):  # a token signed under another store's key
-        store.take(SnapshotStore().tokens.sign("sess_a", 0, "token:alice"), "token:alice")
     assert store.take(token, "token:alice") == (b"snapshot", 1)
     with pytest.raises(ResumeRefused) as refused:  # once only
         store.take(token, "token:alice")
     assert refused.value.reason == TAKEN
-    assert store.put("sess_a", 0, b"late") is False  # the replaced session cannot overwrite it
-    assert store.put("sess_a", 1, b"newer") is True
-    assert store.take(store.tokens.sign("sess_a", 1, "token:alice"), "token:alice") == (b"newer", 2)
+    assert _put(store, "sess_a", 0, "token:alice", b"late") is None  # the replaced session cannot overwrite it
+    newer = _put(store, "sess_a", 1, "token:alice", b"newer")
+    assert store.take(newer, "token:alice") == (b"newer", 2)
+    with pytest.raises(ResumeRefused):  # the first token, now that its session has a newer one
+        store.take(token, "token:alice")
 
 
 def test_snapshots_expire_a_window_after_their_session_was_last_alive():
     clock = Clock()
     store = SnapshotStore(window_s=30, clock=clock)
-    for sid in ("sess_kept", "sess_gone"):
-        store.put(sid, 0, b"x")
+    kept, gone = _put(store, "sess_kept"), _put(store, "sess_gone")
     clock.t += 20
-    store.touch(["sess_kept"])  # still connected
+    assert store.touch(["sess_kept", "sess_never"]) == ["sess_never"]  # still connected; one it never had
     clock.t += 25  # 45 s after the put, 25 s after the touch
-    assert store.take(store.tokens.sign("sess_kept", 0, "p"), "p") == (b"x", 1)
+    assert store.take(kept, "p") == (b"x", 1)
     with pytest.raises(ResumeRefused) as refused:
-        store.take(store.tokens.sign("sess_gone", 0, "p"), "p")
+        store.take(gone, "p")
     assert refused.value.reason == EXPIRED
     assert len(store) == 1
 
 
 def test_the_store_is_bounded_in_entries_and_bytes():
     store = SnapshotStore(max_entries=3, max_bytes=1000, max_snapshot_bytes=600)
-    for n in range(4):
-        store.put(f"sess_{n}", 0, b"x" * 100)
+    tokens = [_put(store, f"sess_{n}", blob=b"x" * 100) for n in range(4)]
     assert len(store) == 3 and store.bytes == 300  # the oldest went
     with pytest.raises(ResumeRefused):
-        store.take(store.tokens.sign("sess_0", 0, "p"), "p")
-    assert store.put("sess_big", 0, b"x" * 601) is False  # one snapshot over its own limit
-    store.put("sess_a", 0, b"x" * 500)
-    store.put("sess_b", 0, b"x" * 500)
+        store.take(tokens[0], "p")
+    assert _put(store, "sess_big", blob=b"x" * 601) is None  # one snapshot over its own limit
+    _put(store, "sess_a", blob=b"x" * 500)
+    _put(store, "sess_b", blob=b"x" * 500)
     assert store.bytes <= 1000 and len(store) <= 3
-    store.put("sess_b", 0, b"x" * 10)  # a replaced snapshot's bytes are given back
+    _put(store, "sess_b", blob=b"x" * 10)  # a replaced snapshot's bytes are given back
     assert store.bytes == sum(len(e.blob) for e in store._entries.values())
 
 
@@ -216,7 +224,7 @@ def test_resume_is_refused_after_the_window_forged_for_another_principal_and_twi
         out = {}
         token = await dropped()
         sid, gen, mac = token.split(".")
-        out["forged"] = (await attempt(f"{sid}.{gen}.{'0' * len(mac)}"))[0]
+        out["forged"] = (await attempt(f"{sid}.{gen}.{mac[::-1]}"))[0]
         out["bob"] = (await attempt(token, "token:bob"))[0]
         both = [replica.connect({"resume": token}), replica.connect({"resume": token})]
         firsts = [await _ready(c) for c in both]
@@ -288,3 +296,42 @@ def test_a_draining_replica_sends_its_sessions_to_resume_elsewhere(engines):
     assert histories == had and len(had) == 3
     for history in histories.values():
         assert [role for role, _ in history] == ["user", "assistant"] and history[1][1]
+
+
+def _saved_items(store: SnapshotStore, session_id: str) -> list:
+    entry = store._entries.get(session_id)
+    return Snapshot.loads(entry.blob).items if entry is not None else []
+
+
+def test_a_replaced_store_is_filled_again_by_the_live_sessions(engines):
+    """The store's replica replaced (an empty one in its place): a connected session's next touch
+    finds itself unknown and puts its snapshot again, so a drop after that still resumes."""
+    snapshots = LocalSnapshots()
+    replica = Replica(_fresh(engines), snapshots, SessionConfig(pace_lead_s=None))
+    replica.continuity = Continuity(snapshots, window_s=0.6)  # touched every 0.2 s
+
+    async def go():
+        conn = replica.connect()
+        ready = await _ready(conn)
+        conn.inbox.put_nowait(P.client_text("Remember the word lighthouse."))
+        await conn.rec.wait(_done(1), timeout=60)
+        old, deadline = snapshots.store, asyncio.get_running_loop().time() + 10
+        while len(_saved_items(old, ready["session_id"])) < 2:  # the reply's snapshot is in
+            assert asyncio.get_running_loop().time() < deadline, "the reply was not saved"
+            await asyncio.sleep(0.05)
+        snapshots.store = SnapshotStore(window_s=0.6)  # the old store and all it held are gone
+        while not len(snapshots.store):
+            assert asyncio.get_running_loop().time() < deadline, "the session was not put again"
+            await asyncio.sleep(0.05)
+        conn.leave()
+        await asyncio.wait_for(conn.served, 30)
+        again = replica.connect({"resume": ready["resume_token"]})
+        back = await _ready(again)
+        history = [(i.role, i.text) for i in replica.session().core.history.items]
+        again.leave()
+        await asyncio.wait_for(again.served, 30)
+        return back, history
+
+    back, history = asyncio.run(go())
+    assert back["type"] == "session.ready" and back["resumed"] is True, back
+    assert history[0] == ("user", "Remember the word lighthouse.") and history[1][0] == "assistant"

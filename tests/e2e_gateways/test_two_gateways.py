@@ -210,3 +210,69 @@ async def _replicas(token: str) -> set[str]:
         await c.__aexit__()
     assert len(seen) == 2, seen
     return seen
+
+
+def _serve_status() -> dict:
+    serve = str(Path(sys.executable).parent / "serve")
+    out = subprocess.run([serve, "status", "-a", "http://127.0.0.1:8265"], check=True, capture_output=True, text=True,
+                         cwd=ROOT, timeout=60, env=dict(os.environ, RAY_AUTH_MODE="token")).stdout
+    return yaml.safe_load(out)["applications"]["gapless"]["deployments"]
+
+
+def _running(deployment: str) -> int:
+    return _serve_status().get(deployment, {}).get("replica_states", {}).get("RUNNING", 0)
+
+
+def test_the_tts_scales_out_when_its_slots_fill(two_gateways):
+    """The TTS on SlotPolicy (deployments/autoscaling.py) with 2 slots and room for 2 replicas:
+    three conversations talking fill the slots, and a second TTS replica starts and serves.
+    After the redeploy test: the gateways stay as it left them."""
+    cfg = _config(num_cpus_share=2.5)
+    app = cfg["applications"][0]
+    app["args"]["tts"]["num_slots"] = 2
+    for d in app["deployments"]:
+        if d["name"] == "TTS":  # two replicas in the CPU share of one
+            d["ray_actor_options"]["num_cpus"] = d["ray_actor_options"]["num_cpus"] / 2
+            d["autoscaling_config"] = {
+                "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 0,
+                "look_back_period_s": 6, "metrics_interval_s": 2,
+                "policy": {"policy_function": "deployments.autoscaling:SlotPolicy",
+                           "policy_kwargs": {"scale_up_at": 0.75, "scale_down_below": 0.35,
+                                             "scale_down_after_s": 600}}}
+    _deploy(_write(cfg, "serve_config.two_gateways.autoscaling.yaml"))
+    deadline = time.monotonic() + 300
+    while not (_serve_status().get("TTS", {}).get("status") == "HEALTHY" and _running("TTS") == 1):
+        assert time.monotonic() < deadline, _serve_status()
+        time.sleep(2)
+
+    async def go():
+        convs = [Conversation(URL, token=two_gateways.token) for _ in range(3)]
+        for c in convs:
+            await c.__aenter__()
+        stop = asyncio.Event()
+
+        async def talk(c):
+            while not stop.is_set():
+                await c.say_text("Tell me a long story about the mountains and the rivers.")
+
+        talking = [asyncio.create_task(talk(c)) for c in convs]
+        t0 = time.monotonic()
+        while await asyncio.to_thread(_running, "TTS") < 2:
+            assert time.monotonic() - t0 < 240, "no second TTS replica"
+            await asyncio.sleep(2)
+        scaled_after = time.monotonic() - t0
+        stop.set()
+        await asyncio.gather(*talking)
+        later = [await c.say_text("And after that?") for c in convs]
+        for c in convs:
+            await c.__aexit__()
+        return scaled_after, later, convs
+
+    scaled_after, later, convs = asyncio.run(go())
+    errors = [e["code"] for c in convs for e in c.errors]
+    print(json.dumps({"second_tts_replica_running_after_s": round(scaled_after, 1), "errors": errors}))
+    for tr in later:  # with two replicas serving
+        assert tr.interrupted is False and tr.chunks
+    # While the second replica warms up on these 2 cores, the first one's frames can come later than
+    # engine_timeout_s (a reply cut with engine_unavailable): the CPU's limit, not the policy's.
+    assert set(errors) <= {P.E_ENGINE_UNAVAILABLE}, errors
