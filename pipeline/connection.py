@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from pipeline import protocol as P
-from pipeline.engines import Backends, ClientGone, EngineUnavailable
+from pipeline.engines import Backends, ClientGone
 from pipeline.keeper import Continuity, Keeper
 from pipeline.resume import RESUME_PARAM, ResumeRefused, received
 from pipeline.session import Session
@@ -152,7 +152,8 @@ async def _take_snapshot(conn: Connection, resumption: Resumption, session_class
         return await resumption.continuity.take(token, resumption.principal)
     except (ResumeRefused, ValueError) as exc:
         await _refuse(conn, session_class, P.E_RESUME_REFUSED, str(exc), P.CLOSE_POLICY_VIOLATION, "resume refused")
-    except EngineUnavailable:
+    except Exception as exc:  # noqa: BLE001 - the store timed out, or its replica is gone
+        log.warning("resume: the session store: %s: %s", type(exc).__name__, exc)
         await _refuse(conn, session_class, P.E_SERVER_BUSY, "sessions cannot be resumed right now; try again "
                       "shortly", P.CLOSE_TRY_AGAIN_LATER, "server busy")
     return False

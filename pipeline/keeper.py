@@ -45,7 +45,6 @@ class Keeper:
         self._digest = ""  # of the token's secret, kept by the store with the snapshot
         self._task: asyncio.Task | None = None
         self._finished = False
-        self.saves = 0  # snapshots the store took (for tests and tools)
 
     def start(self) -> None:
         """Make the session's resume token (told in session.ready) and start keeping it."""
@@ -71,13 +70,12 @@ class Keeper:
             changed.clear()
             await self.save()
 
-    async def save(self, in_flight=None) -> bool:
-        """Put the conversation as it is now; False if the store did not take it."""
+    async def save(self, in_flight=None) -> bool | None:
+        """Put the conversation as it is now: True if the store took it, False if it refused it (a
+        resume replaced this session, or the snapshot is too large), None if it did not answer."""
         blob = self.session.core.snapshot(in_flight).dumps()
-        took = await self._call(self.continuity.snapshots.put(self.session.id, self.generation, self.principal,
+        return await self._call(self.continuity.snapshots.put(self.session.id, self.generation, self.principal,
                                                               self._digest, blob))
-        self.saves += bool(took)
-        return bool(took)
 
     async def finish(self) -> None:
         """The connection ended: the last snapshot, with the reply that was in flight (once)."""
@@ -89,8 +87,8 @@ class Keeper:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         deadline = asyncio.get_running_loop().time() + LAST_SAVE_S
-        while not await self.save(self.session.in_flight()) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.25)
+        while await self.save(self.session.in_flight()) is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.25)  # no answer: the store's replica may be being replaced
 
     async def _call(self, call):
         try:

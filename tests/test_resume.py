@@ -335,3 +335,22 @@ def test_a_replaced_store_is_filled_again_by_the_live_sessions(engines):
     back, history = asyncio.run(go())
     assert back["type"] == "session.ready" and back["resumed"] is True, back
     assert history[0] == ("user", "Remember the word lighthouse.") and history[1][0] == "assistant"
+
+
+def test_a_store_that_fails_gets_server_busy_and_nothing_else():
+    """The store's replica gone (any error from it): the reconnection is told server_busy, 1013 (it
+    tries again), and no session is set up; the token is not used up."""
+    class Gone(LocalSnapshots):
+        async def take(self, token, principal):
+            raise RuntimeError("the replica is gone")
+
+    async def go():
+        registry = SessionRegistry(4)
+        conn = FakeConnection()
+        resumption = Resumption(Continuity(Gone(), window_s=30), "anyone", {"resume": "sess_x.0.secret"})
+        await asyncio.wait_for(serve_connection(conn, None, SessionConfig(), registry, resumption=resumption), 10)
+        return conn, len(registry)
+
+    conn, registered = asyncio.run(go())
+    assert [m.get("code") for m in conn.rec.msgs] == [P.E_SERVER_BUSY]
+    assert conn.close_code == P.CLOSE_TRY_AGAIN_LATER and registered == 0

@@ -93,6 +93,7 @@ export class Conversation {
     return new Promise((resolve, reject) => {
       const ws = new WebSocket(url);
       ws.binaryType = "arraybuffer";
+      this.ws = ws;
       let ready = false;
       ws.onmessage = (e) => {
         if (typeof e.data === "string") return; // the protocol is binary; ignore anything else
@@ -100,7 +101,6 @@ export class Conversation {
         if (!ready) {
           if (msg.type === "session.ready") {
             ready = true;
-            this.ws = ws;
             if (msg.resume_token) this.resumeToken = msg.resume_token;
             if (msg.resume_window_s) this.resumeWindowMs = 1000 * msg.resume_window_s;
             resolve(msg);
