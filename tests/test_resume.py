@@ -354,3 +354,35 @@ def test_a_store_that_fails_gets_server_busy_and_nothing_else():
     conn, registered = asyncio.run(go())
     assert [m.get("code") for m in conn.rec.msgs] == [P.E_SERVER_BUSY]
     assert conn.close_code == P.CLOSE_TRY_AGAIN_LATER and registered == 0
+
+
+def test_a_draining_replica_closes_realtime_sessions_with_1012(engines):
+    """The Realtime endpoint has no resume step: its sessions are not kept (no token), and a
+    draining replica closes them with 1012 all the same."""
+    import json
+
+    from pipeline.realtime.session import RealtimeSession
+
+    class JsonConnection(FakeConnection):
+        async def send(self, frame: str) -> None:
+            self.events.append(json.loads(frame))
+            self.rec.msgs.append({"type": "event"})
+
+    async def go():
+        registry, conn = SessionRegistry(4), JsonConnection()
+        conn.events = []
+        snapshots = LocalSnapshots()
+        served = asyncio.create_task(serve_connection(
+            conn, _fresh(engines), SessionConfig(), registry, session_class=RealtimeSession,
+            resumption=Resumption(Continuity(snapshots, window_s=30), "anyone")))
+        deadline = asyncio.get_running_loop().time() + 30
+        while not conn.events:
+            assert asyncio.get_running_loop().time() < deadline, "no session.created"
+            await asyncio.sleep(0.01)
+        left = await registry.drain(timeout_s=10)
+        await asyncio.wait_for(served, 10)
+        return conn, left, len(snapshots.store)
+
+    conn, left, kept = asyncio.run(go())
+    assert conn.events[0]["type"] == "session.created" and "resume_token" not in json.dumps(conn.events)
+    assert conn.close_code == P.CLOSE_SERVICE_RESTART and left == 0 and kept == 0
