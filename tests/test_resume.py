@@ -268,7 +268,6 @@ def test_a_draining_replica_sends_its_sessions_to_resume_elsewhere(engines):
         left = await one.registry.drain(timeout_s=10)
         for c in conns:
             await asyncio.wait_for(c.served, 10)
-        dropped_history = {}
         resumed = []
         for c in conns:
             away = c.rec.msgs[-1]
