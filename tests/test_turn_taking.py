@@ -312,19 +312,29 @@ class SpeechVoice:
 
 
 class PhoneRecorder(Recorder):
-    """A client on a speakerphone: received audio plays and comes back into its microphone."""
+    """A client on a speakerphone: received audio plays and comes back into its microphone.
+
+    Playback and capture run on one device clock, as on a real phone: a chunk starts playing at
+    the microphone position the client has reached (``mic_sent`` samples sent), not at the wall
+    time it arrived. On a loaded machine this test's loop runs behind the wall clock; with wall
+    time the echo landed as far behind the reference as the loop was late (over 500 ms once in
+    CI, past the delays the echo check looks at), an artefact of the harness, not of a phone."""
 
     def __init__(self, phone: Speakerphone):
         super().__init__()
         self.phone = phone
+        self.mic_sent = 0
+
+    def _now(self) -> float:
+        return self.phone.t0 + self.mic_sent / RATE
 
     async def __call__(self, frame: bytes) -> None:
         msg = P.unpack(frame)
         await self.record(msg)
         if msg["type"] == "audio":
-            self.phone.receive(np.frombuffer(msg["pcm"], "<i2"), time.monotonic())
+            self.phone.receive(np.frombuffer(msg["pcm"], "<i2"), self._now())
         elif msg["type"] == "response.done" and msg["interrupted"]:
-            self.phone.flush(time.monotonic())
+            self.phone.flush(self._now())
 
 
 @pytest.mark.parametrize("case", ["echo", "echo_without_canceller", "person_over_echo", "person_at_first_chunk",
@@ -356,6 +366,7 @@ def test_barge_in_by_voice_and_not_by_echo(engines, bot_reply, case):
                     person_at = k
                 if person_at is not None:
                     mic += np.pad(person[k - person_at:k - person_at + 320], (0, 320))[:320]
+            rec.mic_sent = k + 320
             await s.on_frame(P.client_audio(np.clip(mic, -32768, 32767).astype(np.int16)))
             if heard_at is None and any(m["interrupted"] for m in rec.of("response.done")):
                 heard_at = k + 320  # the microphone frame that interrupted the reply (frames are handled in turn)
