@@ -205,6 +205,7 @@ class Gateway:
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
                  auth: dict, voices: tuple[str, ...] = ("default",), tickets: DeploymentHandle | None = None,
                  store: DeploymentHandle | None = None):
+        metrics.serve_node_metrics()  # one replica of the node serves its metrics (pipeline/metrics.py)
         self.backends = RayBackends(stt, llm, tts)
         self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
         self.handles = {"stt": stt, "llm": llm, "tts": tts}

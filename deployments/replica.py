@@ -33,6 +33,7 @@ class ModelReplica:
     def start_engine(self, name: str, cfg: Any, load: Callable[[Any], Any]) -> None:
         """Load and warm ``load(cfg)`` on this replica's inference thread; a configuration with
         ``compile=True`` goes through its compile cache (a warm cache compiles no graph)."""
+        metrics.serve_node_metrics()  # one replica of the node serves its metrics (pipeline/metrics.py)
         threads = threads_for_cpu_share(replica_cpu_share())
         pin_torch_threads(threads)  # the process default, before any torch work
         keep_large_allocations()  # no page faults on each step's big temporaries

@@ -4,19 +4,31 @@ Every deployment process records into ``prometheus_client`` metrics defined here
 Serve all processes of a node share one ``PROMETHEUS_MULTIPROC_DIR`` (set by the app's
 runtime_env), so the gateway's ``GET /metrics`` exposes the sum over every replica of the
 node; outside Ray (tests, benchmarks) the metrics live in the process registry.
+
+A cluster of several nodes has one such directory per node, and the gateway reads only its own.
+So each node is also its own scrape target (:func:`serve_node_metrics`): every replica process
+tries to listen on the node's metrics address (``GAPLESS_NODE_METRICS``, default
+``127.0.0.1:9464``); one wins, serves the node's directory with prometheus_client's own
+exporter, and when it dies another replica of the node takes the port over within
+``NODE_RETRY_S``. Prometheus finds the nodes through the file Ray's head writes for it
+(grafana/prometheus.nodes.yml, docs/scaling.md "Metrics on several nodes").
 Names are stable: dashboards and alert rules in ``grafana/`` query them.
 """
 from __future__ import annotations
 
 import os
 import re
+import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the gateway
 
 from pipeline.private_dir import ensure_private_dir
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+NODE_METRICS_ENV = "GAPLESS_NODE_METRICS"  # HOST:PORT of this node's scrape target, or "off"
+NODE_METRICS_DEFAULT = "127.0.0.1:9464"
+NODE_RETRY_S = 5.0  # how often a replica that does not hold the node's port tries to take it
 if os.environ.get(MULTIPROC_ENV):
     os.makedirs(os.environ[MULTIPROC_ENV], exist_ok=True)
 
@@ -80,18 +92,72 @@ HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket
                              "too_many_sessions).", ["code"])
 
 
-def exposition() -> bytes:
-    """Prometheus text format: every process of this node under Ray, else this process. The
-    live-sum gauges (sessions, STT streams) leave out processes that have died (a killed replica
-    never says so itself)."""
-    if os.environ.get(MULTIPROC_ENV):
+class NodeCollector:
+    """Every process of the node that records into ``path``, summed; the live-sum gauges leave
+    out processes that have died (a killed replica never says so itself)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def collect(self):
         from prometheus_client import multiprocess
 
-        forget_dead_processes(os.environ[MULTIPROC_ENV])
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
-        return generate_latest(registry)
+        forget_dead_processes(self.path)
+        return multiprocess.MultiProcessCollector(None, self.path).collect()
+
+
+def _node_registry(path: str) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(path))
+    return registry
+
+
+def exposition() -> bytes:
+    """Prometheus text format: every process of this node under Ray, else this process."""
+    if os.environ.get(MULTIPROC_ENV):
+        return generate_latest(_node_registry(os.environ[MULTIPROC_ENV]))
     return generate_latest()
+
+
+def node_metrics_address(value: str | None = None) -> tuple[str, int] | None:
+    """``GAPLESS_NODE_METRICS`` (or ``value``) as (host, port); None when it is ``off``."""
+    value = (os.environ.get(NODE_METRICS_ENV, NODE_METRICS_DEFAULT) if value is None else value).strip()
+    if value.lower() == "off":
+        return None
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{NODE_METRICS_ENV}={value!r}: expected HOST:PORT (e.g. 0.0.0.0:9464) or off")
+    return host.strip("[]"), int(port)
+
+
+def hold_node_port(path: str, address: tuple[str, int], retry_s: float = NODE_RETRY_S,
+                   stop: threading.Event | None = None) -> None:
+    """Serve ``path`` (a node's metrics directory) on ``address`` once this process can listen
+    there: try every ``retry_s`` while another process of the node holds it. Returns once
+    listening (prometheus_client's server thread serves on) or when ``stop`` is set."""
+    stop = stop or threading.Event()
+    registry = _node_registry(path)
+    while not stop.is_set():
+        try:
+            start_http_server(address[1], addr=address[0], registry=registry)
+            return
+        except OSError:  # the port is another replica's (or not ours to take): wait for it
+            stop.wait(retry_s)
+
+
+_node_thread: threading.Thread | None = None
+
+
+def serve_node_metrics() -> threading.Thread | None:
+    """Make this replica process one of its node's candidates to serve the node's metrics (a
+    daemon thread; once per process). Nothing without a metrics directory or with ``off``."""
+    global _node_thread
+    path, address = os.environ.get(MULTIPROC_ENV), node_metrics_address()
+    if not path or address is None or _node_thread is not None:
+        return _node_thread
+    _node_thread = threading.Thread(target=hold_node_port, args=(path, address), name="node-metrics", daemon=True)
+    _node_thread.start()
+    return _node_thread
 
 
 _LIVE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")

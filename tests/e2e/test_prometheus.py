@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import shutil
-import subprocess
 import time
-import urllib.parse
 import urllib.request
 
 import pytest
 
 from load.client import Conversation
-from tests.e2e.serve_process import PORT, ROOT, URL
-
-PROM_PORT = 9391
-GRAFANA = ROOT / "grafana"
+from tests.e2e.serve_process import PORT, URL
+from tests.prometheus_server import GRAFANA, PROM_PORT, prometheus as run_prometheus, query
 
 
 def scrape() -> str:
@@ -53,41 +47,10 @@ async def _short_conversation():
         await conv.say_text("Tell me something.")
 
 
-def _prom_query(expr: str) -> list:
-    url = f"http://127.0.0.1:{PROM_PORT}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 @pytest.fixture
 def prometheus(tmp_path):
-    binary = shutil.which("prometheus")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus is not installed: `bash scripts/install.sh --system` installs it")
-        pytest.skip("prometheus not installed (apt-get install prometheus)")
-    cfg = tmp_path / "prometheus.yml"
-    text = (GRAFANA / "prometheus.yml").read_text().replace("scrape_interval: 5s", "scrape_interval: 1s")
-    cfg.write_text(text)
-    shutil.copy(GRAFANA / "alert_rules.yml", tmp_path / "alert_rules.yml")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{PROM_PORT}"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"),
-    )
-    try:
-        for _ in range(60):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{PROM_PORT}/-/ready", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
+    with run_prometheus(tmp_path, (GRAFANA / "prometheus.yml").read_text()) as proc:
         yield proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_prometheus_scrapes_slo_histograms(server, prometheus):
@@ -95,14 +58,14 @@ def test_prometheus_scrapes_slo_histograms(server, prometheus):
     deadline = time.monotonic() + 90
     gaps = ttfa = []
     while time.monotonic() < deadline:
-        gaps = _prom_query("sum(voice_audio_chunk_gap_seconds_count)")
-        ttfa = _prom_query("sum(voice_time_to_first_audio_seconds_count)")
+        gaps = query("sum(voice_audio_chunk_gap_seconds_count)")
+        ttfa = query("sum(voice_time_to_first_audio_seconds_count)")
         if gaps and ttfa and float(gaps[0]["value"][1]) > 0 and float(ttfa[0]["value"][1]) > 0:
             break
         time.sleep(1)
     assert gaps and float(gaps[0]["value"][1]) > 0
     assert ttfa and float(ttfa[0]["value"][1]) >= 2
-    compiles = _prom_query("voice_compiles_after_warmup_total")
+    compiles = query("voice_compiles_after_warmup_total")
     assert sorted(r["metric"]["deployment"] for r in compiles) == ["llm", "stt", "tts"]
     assert all(float(r["value"][1]) == 0 for r in compiles)
     # the alert rules load and evaluate without error

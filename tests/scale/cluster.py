@@ -33,9 +33,22 @@ BIN = Path(sys.executable).parent
 APP = "gapless"
 
 
-def _ray(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **ENV)
+# Each node's own metrics: on separate machines every node has its own /tmp/gapless-metrics and its
+# scrape target at the same address; here both raylets share one machine, so each gets its own
+# directory and port through the environment its workers inherit from `ray start`.
+NODE_METRICS = {"head_node": "127.0.0.1:9465", "model_node": "127.0.0.1:9466"}
+RAY_METRICS_PORT = {"head_node": 29465, "model_node": 29466}  # Ray's own, as its discovery file lists them
+
+
+def _ray(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **ENV, **(env or {}))
     return subprocess.run([str(BIN / "ray"), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def node_env(workdir: Path, role: str) -> dict[str, str]:
+    metrics_dir = workdir / f"metrics-{role}"
+    metrics_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "GAPLESS_NODE_METRICS": NODE_METRICS[role]}
 
 
 def two_node_config(out: Path, stt_replicas: int = 2) -> Path:
@@ -52,6 +65,7 @@ def two_node_config(out: Path, stt_replicas: int = 2) -> Path:
         {"name": name, "ray_actor_options": opts, **({"num_replicas": stt_replicas} if name == "STT" else {})}
         for name, opts in placement.items()
     ]
+    del app["runtime_env"]["env_vars"]["PROMETHEUS_MULTIPROC_DIR"]  # each node's own (node_env)
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
 
@@ -69,10 +83,13 @@ class TwoNodeCluster:
         wait_until_down()  # an earlier test's server may still be letting go of the port
         common = ["--disable-usage-stats", "--object-store-memory", str(300 * 2**20)]
         head = _ray("start", "--head", f"--port={GCS_PORT}", "--num-cpus=1", "--resources", '{"head_node": 1}',
-                    "--include-dashboard=true", *common)
+                    "--include-dashboard=true", f"--metrics-export-port={RAY_METRICS_PORT['head_node']}", *common,
+                    env=node_env(self.workdir, "head_node"))
         if head.returncode != 0:
             raise RuntimeError(f"ray start --head failed: {head.stdout[-2000:]}{head.stderr[-2000:]}")
-        worker = _ray("start", f"--address={ADDRESS}", "--num-cpus=2", "--resources", '{"model_node": 1}', *common)
+        worker = _ray("start", f"--address={ADDRESS}", "--num-cpus=2", "--resources", '{"model_node": 1}',
+                      f"--metrics-export-port={RAY_METRICS_PORT['model_node']}", *common,
+                      env=node_env(self.workdir, "model_node"))
         if worker.returncode != 0:
             self.stop()
             raise RuntimeError(f"ray start --address failed: {worker.stdout[-2000:]}{worker.stderr[-2000:]}")
@@ -121,12 +138,18 @@ class TwoNodeCluster:
         os.kill(pid, signal.SIGKILL)
 
 
+def scrape(role: str | None = None) -> str:
+    """A node's scrape target (``role``: head_node, model_node), or the gateway's /metrics."""
+    url = f"http://{NODE_METRICS[role]}/metrics" if role else f"http://127.0.0.1:{PORT}/metrics"
+    return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
 def metric(name: str) -> dict[str, float]:
-    """One counter family from the gateway's /metrics: label text -> value (samples of ``name``)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10).read().decode()
-    out = {}
-    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, flags=re.M):
-        out[m.group(1) or ""] = float(m.group(2))
+    """One counter family summed over both nodes' scrape targets: label text -> value."""
+    out: dict[str, float] = {}
+    for role in NODE_METRICS:
+        for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", scrape(role), flags=re.M):
+            out[m.group(1) or ""] = out.get(m.group(1) or "", 0.0) + float(m.group(2))
     return out
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import time
 
@@ -96,6 +97,53 @@ def test_conversation_across_two_nodes(cluster):
     assert len(results) == 3
     check_served_in_full(errors, results)
     assert results[1].final_text.strip()
+
+
+def test_prometheus_scrapes_every_node(cluster, tmp_path):
+    """A real Prometheus on grafana/prometheus.nodes.yml, finding the nodes through the file Ray's
+    head writes: it scrapes both nodes' targets, and the model node's STT and TTS series (the
+    STT step, the TTS real-time factor, their compile counters), which the gateway's own /metrics
+    (the head node's share) does not have, reach it from the model node."""
+    import yaml
+
+    from tests.prometheus_server import GRAFANA, prometheus, query
+    from tests.scale.cluster import NODE_METRICS, RAY_METRICS_PORT, scrape
+
+    cfg = yaml.safe_load((GRAFANA / "prometheus.nodes.yml").read_text())
+    job = cfg["scrape_configs"][0]
+    # Here both nodes are one machine: each node's target is told apart by Ray's port, not the host,
+    # and listens on loopback.
+    job["relabel_configs"] = [
+        *({"source_labels": ["__address__"], "regex": f".+:{RAY_METRICS_PORT[role]}",
+           "replacement": NODE_METRICS[role], "target_label": "__address__"} for role in NODE_METRICS),
+        {"source_labels": ["__address__"], "regex": "|".join(NODE_METRICS.values()), "action": "keep"},
+        job["relabel_configs"][-1],
+    ]
+
+    async def talk():
+        async with Conversation(URL) as conv:
+            return conv.errors, [await conv.say_audio(speech_like(1.2, seed=11), chunk_ms=160)]
+
+    errors, results = run(talk())
+    check_served_in_full(errors, results)
+    def steps(text: str) -> float:
+        return float(re.search(r"^voice_stt_step_seconds_count (\S+)$", text, flags=re.M).group(1))
+
+    assert steps(scrape()) == 0 and steps(scrape("model_node")) > 0  # the gateway's /metrics has none of them
+    with prometheus(tmp_path, yaml.safe_dump(cfg)):
+        model, head = NODE_METRICS["model_node"], NODE_METRICS["head_node"]
+        expected = {"voice_stt_step_seconds_count > 0": [model], "voice_tts_real_time_factor_count > 0": [model],
+                    'voice_compiles_after_warmup_total{deployment=~"stt|tts"}': [model, model],
+                    "voice_turns_total > 0": [head]}
+        deadline, found = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:
+            found = {expr: sorted(r["metric"]["instance"] for r in query(expr)) for expr in expected}
+            if found == expected:
+                break
+            time.sleep(1)
+        up = {r["metric"]["instance"]: r["value"][1] for r in query('up{job="gapless-nodes"}')}
+    assert up == {head: "1", model: "1"}
+    assert found == expected
 
 
 async def _sessions_on(replicas: set[str], per_replica: int, total: int) -> tuple[list[Conversation], dict]:
