@@ -32,6 +32,7 @@ class TurnResult:
     status: str | None = None  # Realtime protocol: the response's status (completed, cancelled, ...)
     types: list[str] = field(default_factory=list)  # message types in arrival order
     ended_at: float = 0.0  # when the client ended the turn (sent turn.end / text)
+    speech_stopped_at: float = 0.0  # hands-free: when the server's last speech.stopped before the final arrived
     final_at: float = 0.0
     done_at: float = 0.0
     output_rate: int = P.OUTPUT_SAMPLE_RATE  # of ``chunks`` (a Realtime session in G.711: 8000)
@@ -107,6 +108,7 @@ class Conversation:
         self.closed: tuple[int | None, str | None] | None = None
         self.resumes: list[Resumed] = []
         self.last_audio: tuple[int, int] | None = None  # (turn, seq) of the last audio message received
+        self.speech_stopped_at = 0.0  # arrival of the last speech.stopped (the server's VAD)
         self._resume_token: str | None = None
         self._leaving = False  # the caller closes: no reconnection
         self._connected = asyncio.Event()
@@ -221,6 +223,9 @@ class Conversation:
         if kind == "going_away":
             self._resume_token = msg.get("resume_token") or self._resume_token
             return
+        if kind == "speech.stopped":
+            self.speech_stopped_at = now
+            return
         turn = msg.get("turn")
         if turn is None:
             return
@@ -231,6 +236,7 @@ class Conversation:
             tr.partial_times.append(now)
         elif kind == "transcript.final":
             tr.final_text, tr.final_at = msg["text"], now
+            tr.speech_stopped_at = self.speech_stopped_at
         elif kind == "response.text":
             tr.response_text += msg["text"]
         elif kind == "audio":

@@ -9,7 +9,9 @@ random moment, ``--rounds`` times; each client resumes by itself (load/client.py
 docs/protocol.md "Resume"). ``--op redeploy``: ``serve deploy`` of ``--config`` (the config the
 app runs) with the Gateway's CPU share changed: a new gateway version, so Serve replaces every
 gateway replica, each of which drains (going_away, close 1012) as it stops; the CLI needs
-``RAY_AUTH_MODE=token`` to reach a ``serve run`` cluster. Typed turns throughout, each waiting for
+``RAY_AUTH_MODE=token`` to reach a ``serve run`` cluster. ``--change TTS`` (or STT, LLM) changes
+that deployment instead: its replica is replaced while the sessions stay where they are, and
+the run lasts until ``serve status`` shows the application running again. Typed turns throughout, each waiting for
 its reply; ``--after-s`` more seconds of them once the operation is over.
 
 Prints one row (sessions kept, resumes, turns, turns lost, replies cut, the largest gap between
@@ -54,12 +56,12 @@ async def _resumed(convs: list[Conversation], count: int, timeout_s: float) -> N
         await asyncio.sleep(0.1)
 
 
-def changed_config(path: Path) -> Path:
-    """``path`` with the Gateway's CPU share a tenth smaller, written beside it."""
+def changed_config(path: Path, deployment: str = "Gateway") -> Path:
+    """``path`` with ``deployment``'s CPU share a tenth smaller, written beside it."""
     cfg = yaml.safe_load(path.read_text())
     for app in cfg["applications"]:
         for d in app.get("deployments", []):
-            if d["name"] == "Gateway":
+            if d["name"] == deployment:
                 opts = d.setdefault("ray_actor_options", {})
                 opts["num_cpus"] = round(float(opts.get("num_cpus", 0.2)) * 0.9, 4)
     out = path.with_name(path.stem + ".changed.yaml")
@@ -67,10 +69,30 @@ def changed_config(path: Path) -> Path:
     return out
 
 
-def deploy(path: Path, address: str) -> None:
+def _serve(*args: str, timeout: float = 120) -> str:
     serve = str(Path(sys.executable).parent / "serve")
-    subprocess.run([serve, "deploy", str(path), "-a", address], check=True, timeout=120,
-                   env=dict(os.environ, RAY_AUTH_MODE="token"), capture_output=True)
+    return subprocess.run([serve, *args], check=True, timeout=timeout, env=dict(os.environ, RAY_AUTH_MODE="token"),
+                          capture_output=True, text=True).stdout
+
+
+def deploy(path: Path, address: str) -> None:
+    _serve("deploy", str(path), "-a", address)
+
+
+async def _rolled_out(address: str, timeout_s: float) -> None:
+    """Until ``serve status`` has shown the application deploying (within 15 s of the deploy) and
+    then every application RUNNING (the replaced replicas are up)."""
+    deadline, seen_deploying = time.monotonic() + timeout_s, time.monotonic() + 15
+    while True:
+        status = yaml.safe_load(await asyncio.to_thread(_serve, "status", "-a", address))
+        running = all(app["status"] == "RUNNING" for app in status["applications"].values())
+        if not running:
+            seen_deploying = 0.0
+        elif time.monotonic() > seen_deploying:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the rollout was not over within {timeout_s} s: {status}")
+        await asyncio.sleep(0.5)
 
 
 async def run(args, url: str) -> dict:
@@ -89,7 +111,16 @@ async def run(args, url: str) -> dict:
             await _resumed(convs, r, args.resume_timeout_s)
     else:
         await asyncio.sleep(1.0)
-        await asyncio.to_thread(deploy, changed_config(Path(args.config)), args.dashboard)
+        await asyncio.to_thread(deploy, changed_config(Path(args.config), args.change), args.dashboard)
+        if args.change != "Gateway":  # the gateways stay: no session moves; the model replica is replaced
+            await _rolled_out(args.dashboard, args.resume_timeout_s)
+            operation_s = time.monotonic() - t0
+            await asyncio.sleep(args.after_s)
+            stop.set()
+            await asyncio.gather(*talking, return_exceptions=True)
+            for c in convs:
+                await c.__aexit__()
+            return summarise(args, convs, operation_s)
         await _resumed(convs, 1, args.resume_timeout_s)
         quiet_since = time.monotonic()  # every session resumed once: wait for the rollout's later drains
         while time.monotonic() - quiet_since < args.settle_s:
@@ -130,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3, help="--op drop: drops per conversation")
     ap.add_argument("--config", default="serve_config.yaml", help="--op redeploy: the config the app runs")
+    ap.add_argument("--change", default="Gateway", choices=("Gateway", "STT", "LLM", "TTS"),
+                    help="--op redeploy: the deployment whose config changes (its CPU share), so Serve replaces it")
     ap.add_argument("--dashboard", default="http://127.0.0.1:8265", help="--op redeploy: Ray's dashboard")
     ap.add_argument("--settle-s", type=float, default=15.0, help="--op redeploy: no reconnection this long ends it")
     ap.add_argument("--after-s", type=float, default=10.0, help="talking on after the operation")

@@ -42,6 +42,21 @@ def _pct(xs, q):
     return float(np.percentile(xs, q)) if xs else None
 
 
+# Medians of voice-to-voice's parts, each from the true end of speech or from transcript.final:
+# end of speech -> speech.stopped (the VAD's silence) -> transcript.final (Smart Turn, the
+# recogniser's last step) -> LLM first token / first clause / first audio sent (server side).
+SPLIT = ("to_final", "final_to_audio", "vad_stopped", "stopped_to_final", "llm_first_token", "first_clause",
+         "first_audio")
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _split(rows: list[dict]) -> dict:
+    return {k: _pct([r[k] for r in rows if r.get(k) is not None], 50) for k in SPLIT}
+
+
 async def hands_free(url: str, clips: list[np.ndarray], token: str | None = None) -> tuple[list[dict], int]:
     """Per clip: voice-to-voice (ms) and its split (end of speech -> transcript.final -> first
     audio); and how many turns the server made of the clips."""
@@ -50,8 +65,16 @@ async def hands_free(url: str, clips: list[np.ndarray], token: str | None = None
         for pcm in clips:
             tr = await conv.say_hands_free(pcm, speech_end=len(pcm))
             if tr.time_to_first_audio is not None:
+                timings = tr.timings or {}
                 rows.append({"v2v": 1000 * tr.time_to_first_audio, "to_final": 1000 * (tr.final_at - tr.ended_at),
                              "final_to_audio": 1000 * (tr.chunk_times[0] - tr.final_at),
+                             # the finer split (SPLIT): the server's VAD, end of turn + the recogniser's
+                             # last step, then response.done's timings (ms after the final, server side)
+                             "vad_stopped": 1000 * (tr.speech_stopped_at - tr.ended_at)
+                             if tr.speech_stopped_at > tr.ended_at else None,
+                             "stopped_to_final": 1000 * (tr.final_at - tr.speech_stopped_at)
+                             if tr.speech_stopped_at > tr.ended_at else None,
+                             **{k: timings.get(f"{k}_ms") for k in ("llm_first_token", "first_clause", "first_audio")},
                              "partial_every": 1000 * float(np.median(np.diff(tr.partial_times)))
                              if len(tr.partial_times) > 1 else None})
         await asyncio.sleep(2.0)  # let a split-off second half (a cut) show up as a turn of its own
@@ -125,7 +148,7 @@ async def main_async(args) -> dict:
     v2v = [r["v2v"] for r in rows]
     if args.hands_free_only:
         return {"voice_to_voice_ms": {"n": len(v2v), "p50": _pct(v2v, 50), "p95": _pct(v2v, 95), "max": max(v2v, default=None)},
-                "voice_to_voice_split_ms": {k: _pct([r[k] for r in rows], 50) for k in ("to_final", "final_to_audio")},
+                "voice_to_voice_split_ms": _split(rows),
                 "partial_every_ms": _pct([r["partial_every"] for r in rows if r["partial_every"]], 50),
                 "hands_free_turns": {"clips": len(clips) * 2, "turns": turns}}
     _, paused_turns = await hands_free(args.url, [paused] * args.rounds, args.token)
@@ -140,7 +163,7 @@ async def main_async(args) -> dict:
         "voice_to_voice_ms": {"n": len(v2v), "p50": _pct(v2v, 50), "p95": _pct(v2v, 95), "max": max(v2v, default=None)},
         # medians of the split: end of speech -> transcript.final (end-of-turn detection and the
         # recogniser's last step), transcript.final -> first reply audio (LLM and TTS)
-        "voice_to_voice_split_ms": {k: _pct([r[k] for r in rows], 50) for k in ("to_final", "final_to_audio")},
+        "voice_to_voice_split_ms": _split(rows),
         "partial_every_ms": _pct([r["partial_every"] for r in rows if r["partial_every"]], 50),
         "hands_free_turns": {"clips": len(clips) * 2, "turns": turns},
         "paused_sentence": {"runs": args.rounds, "turns": paused_turns, "cut": paused_turns - args.rounds},
@@ -165,6 +188,10 @@ def main() -> None:
     rows = [
         ("voice-to-voice p50 / p95 / max (ms)", "{p50:.0f} / {p95:.0f} / {max:.0f} over {n} turns".format(**res["voice_to_voice_ms"])),
         ("  p50 split: speech end -> final -> audio", "{to_final:.0f} + {final_to_audio:.0f}".format(**res["voice_to_voice_split_ms"])),
+        ("  p50 finer: end -> speech.stopped -> final", " + ".join(_ms(res["voice_to_voice_split_ms"][k])
+                                                            for k in ("vad_stopped", "stopped_to_final"))),
+        ("  p50 server after final: LLM token / clause / audio", " / ".join(
+            _ms(res["voice_to_voice_split_ms"][k]) for k in ("llm_first_token", "first_clause", "first_audio"))),
         ("partial transcript every (ms, median)", f"{res['partial_every_ms']:.0f}" if res["partial_every_ms"] else "-"),
         ("hands-free clips -> turns", "{clips} -> {turns}".format(**res["hands_free_turns"])),
     ]
