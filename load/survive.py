@@ -114,19 +114,13 @@ async def run(args, url: str) -> dict:
         await asyncio.to_thread(deploy, changed_config(Path(args.config), args.change), args.dashboard)
         if args.change != "Gateway":  # the gateways stay: no session moves; the model replica is replaced
             await _rolled_out(args.dashboard, args.resume_timeout_s)
-            operation_s = time.monotonic() - t0
-            await asyncio.sleep(args.after_s)
-            stop.set()
-            await asyncio.gather(*talking, return_exceptions=True)
-            for c in convs:
-                await c.__aexit__()
-            return summarise(args, convs, operation_s)
-        await _resumed(convs, 1, args.resume_timeout_s)
-        quiet_since = time.monotonic()  # every session resumed once: wait for the rollout's later drains
-        while time.monotonic() - quiet_since < args.settle_s:
-            await asyncio.sleep(0.2)
-            if any(r.resumed_at is None and not r.refused for c in convs for r in c.resumes):
-                quiet_since = time.monotonic()
+        else:
+            await _resumed(convs, 1, args.resume_timeout_s)
+            quiet_since = time.monotonic()  # every session resumed once: wait for the rollout's later drains
+            while time.monotonic() - quiet_since < args.settle_s:
+                await asyncio.sleep(0.2)
+                if any(r.resumed_at is None and not r.refused for c in convs for r in c.resumes):
+                    quiet_since = time.monotonic()
     operation_s = time.monotonic() - t0
     await asyncio.sleep(args.after_s)
     stop.set()
