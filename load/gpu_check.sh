@@ -98,23 +98,4 @@ export -f serve_app
 export TOKEN CONFIG OUT_DIR PY GAP_TURNS LOAD_LEVELS LOAD_S
 step serve 280 setsid bash -c serve_app
 
-$PY - "$OUT_DIR" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-summary = {}
-for line in (out / "steps.tsv").read_text().splitlines():
-    name, rc, seconds = line.split("\t")
-    last = None
-    for text in (out / f"{name}.log").read_text(errors="replace").splitlines():
-        text = text.strip()
-        if text.startswith("{"):
-            try:
-                last = json.loads(text)
-            except ValueError:
-                pass
-    summary[name] = {"rc": int(rc), "seconds": int(seconds), "result": last}
-(out / "summary.json").write_text(json.dumps(summary, indent=1))
-print(json.dumps({"gpu_check": {k: {"rc": v["rc"], "seconds": v["seconds"]} for k, v in summary.items()}}))
-sys.exit(0 if all(v["rc"] == 0 for v in summary.values()) else 1)
-PY
+$PY -m load.step_summary "$OUT_DIR" "$OUT_DIR/steps.tsv" gpu_check
