@@ -25,16 +25,9 @@ PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT_DIR"
 : > "$OUT_DIR/steps.tsv"
 
-step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log it, record rc and seconds
-  local name=$1 limit=$2
-  shift 2
-  local t0=$SECONDS
-  echo "== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
-  local rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT_DIR/steps.tsv"
-  echo "   rc=$rc in $((SECONDS - t0)) s; last line: $(tail -n 1 "$OUT_DIR/$name.log" | cut -c1-200)"
-}
+STEP_LOGS="$OUT_DIR" STEP_TSV="$OUT_DIR/steps.tsv"
+# shellcheck source=load/steps.sh
+source load/steps.sh
 
 if [ $DRY = 1 ]; then
   STT="--size tiny --device cpu --dtype float32 --rounds 2"

@@ -59,16 +59,9 @@ print(", ".join(f"{n} {ver(n)}" for n in names))
 PY
 } 2>&1 | tee -a "$OUT/env.log"
 
-step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log it, record rc and seconds
-  local name=$1 limit=$2
-  shift 2
-  local t0=$SECONDS
-  echo "== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$STEPS"
-  echo "   rc=$rc in $((SECONDS - t0)) s; last line: $(tail -n 1 "$OUT/$name.log" | cut -c1-200)"
-}
+STEP_LOGS="$OUT" STEP_TSV="$STEPS"
+# shellcheck source=load/steps.sh
+source load/steps.sh
 
 if [ $DRY = 1 ]; then
   TTS="--profile tiny --device cpu --widths 1,2 --frames 8 --rounds 1"
