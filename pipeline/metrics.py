@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the gateway
@@ -130,19 +131,17 @@ def node_metrics_address(value: str | None = None) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def hold_node_port(path: str, address: tuple[str, int], retry_s: float = NODE_RETRY_S,
-                   stop: threading.Event | None = None) -> None:
+def hold_node_port(path: str, address: tuple[str, int], retry_s: float = NODE_RETRY_S) -> None:
     """Serve ``path`` (a node's metrics directory) on ``address`` once this process can listen
     there: try every ``retry_s`` while another process of the node holds it. Returns once
-    listening (prometheus_client's server thread serves on) or when ``stop`` is set."""
-    stop = stop or threading.Event()
+    listening (prometheus_client's server thread serves on)."""
     registry = _node_registry(path)
-    while not stop.is_set():
+    while True:
         try:
             start_http_server(address[1], addr=address[0], registry=registry)
             return
         except OSError:  # the port is another replica's (or not ours to take): wait for it
-            stop.wait(retry_s)
+            time.sleep(retry_s)
 
 
 _node_thread: threading.Thread | None = None
