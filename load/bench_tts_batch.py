@@ -3,6 +3,7 @@ streams one after another, in the same engine, same seeds, same texts.
 
     python -m load.bench_tts_batch --widths 1,2,4,8,16 --rounds 3              # tiny, CPU, 1 thread
     python -m load.bench_tts_batch --profile full --device cuda --widths 1,8,32  # CSM-1B + Mimi shapes
+    python -m load.bench_tts_batch --profile full --device cuda --widths 1,8,32 --frame-graphs  # step from CUDA graphs
 
 Each stream speaks ``--frames`` frames (80 ms each). Per width and round, in random order:
 ``batched`` opens W streams and steps the engine until all are done; ``serial`` runs each of
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--frame-graphs", action="store_true", help="replay the frame step from CUDA graphs")
     args = ap.parse_args()
     pin_torch_threads(args.threads)
     keep_large_allocations()
@@ -73,8 +75,9 @@ def main() -> None:
     # batched: one slot per stream at the largest width (the step runs the smallest width that fits);
     # serial: an engine with one slot, as a one-stream-at-a-time server runs (same weights and seed)
     engine = TTSEngine(make(device=args.device, num_slots=max(widths), batch_widths=tuple(widths),
-                            compile=args.compile, max_frames=max(args.frames, 12)))
-    alone = TTSEngine(make(device=args.device, num_slots=1, compile=args.compile, max_frames=max(args.frames, 12)))
+                            compile=args.compile, frame_graphs=args.frame_graphs, max_frames=max(args.frames, 12)))
+    alone = TTSEngine(make(device=args.device, num_slots=1, compile=args.compile, frame_graphs=args.frame_graphs,
+                           max_frames=max(args.frames, 12)))
     for e in (engine, alone):
         e.warmup()
     rng = random.Random(0)
@@ -110,6 +113,7 @@ def main() -> None:
         print(f"{w:>5} | {f(s['step_ms']):>18} | {f(s['batched_ms'], 2):>24} | {f(s['serial_ms'], 2):>23} | "
               f"{f(s['ratio'], 2):>18} | {s['step_ms']['median'] / FRAME_MS:>5.2f}")
     print(json.dumps({"bench": "tts_batch", "profile": args.profile, "device": args.device, "threads": args.threads,
+                      "compile": args.compile, "frame_graphs": args.frame_graphs,
                       "frames": args.frames, "rounds": args.rounds, "widths": out}))
 
 

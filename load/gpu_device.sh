@@ -4,6 +4,7 @@
 #
 #   bash load/gpu_device.sh            # on the device: its python3 (CUDA torch), no venv, no internet
 #   bash load/gpu_device.sh --dry-run  # the same steps on CPU with tiny shapes (.venv/bin/python): ~1.5 min
+#   GRAPHS=1 bash load/gpu_device.sh   # only the TTS frame step from CUDA graphs (below), ~6 minutes
 #
 # On the device, what its python3 lacks (moshi, llguidance, jsonschema, nemo_toolkit and NeMo's import
 # closure) travels as Python 3.12 wheels in .whl/ (made here by `bash load/gpu_wheels.sh`; ignored by
@@ -26,6 +27,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
+GRAPHS=${GRAPHS:-0}
 OUT=${OUT:-out/gpu_device}
 if [ $DRY = 1 ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1  # a step cut off still leaves its log; never reach for the hub
@@ -73,6 +75,29 @@ else
   STALL="--mimi full --no-cpu --seconds 1.37 2.71 --buckets 25 50 --child-timeout 60"; STALL_REPEATS=3
   TOOLS="--profile full --device cuda --rounds 3 --calls 8"
   STT="--size full --device cuda --dtype bfloat16 --rounds 5 --streams 64 --batch 64"
+fi
+if [ "$GRAPHS" = 1 ]; then
+  # The frame step replayed from CUDA graphs (tts.frame_graphs): the engine's test on CUDA (graphed
+  # codes equal to eager ones), the step alone (eager vs graphs, same inputs), the engine with it
+  # (batched vs one stream at a time, as the tts step above), then torch.compile's reduce-overhead at
+  # one width with whatever time is left (its inductor compile of the full step takes minutes).
+  if [ $DRY = 1 ]; then
+    ALONE="--profile tiny --device cpu --widths 1,2 --steps 4 --rounds 1"; BATCH="$TTS"; COMPILED="$ALONE"
+  else
+    ALONE="--profile full --device cuda --widths 1,8,32 --steps 10 --rounds 3"; BATCH="$TTS --frame-graphs"
+    COMPILED="--profile full --device cuda --widths 8 --steps 10 --rounds 2 --compiled"
+  fi
+  t_end=$((SECONDS + ${GRAPHS_S:-480}))
+  step graphs_test 90 $PY -m pytest -q -p no:cacheprovider tests/test_tts_batching.py -k graphs
+  # shellcheck disable=SC2086
+  step tts_step 120 $PY -m load.bench_tts_step $ALONE
+  # shellcheck disable=SC2086
+  step tts_graphs 150 $PY -m load.bench_tts_batch $BATCH
+  left=$((t_end - SECONDS))
+  # shellcheck disable=SC2086
+  [ $left -ge 60 ] && step tts_compiled "$left" $PY -m load.bench_tts_step $COMPILED
+  $PY -m load.step_summary "$OUT" "$STEPS" gpu_graphs
+  exit 0
 fi
 # Time limits: each step's own (env TTS_S, STALL_S, TOOLS_S, STT_S; 540 s together) plus whatever
 # the steps before it left unused, so a step that ends early gives its time to the next ones.

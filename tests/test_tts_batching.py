@@ -155,3 +155,31 @@ def test_widths_change_every_step_and_nothing_compiles_after_warmup():
         assert engine.stats()["unseen_shape_calls"] == 0
     finally:
         torch.compiler.set_stance("default")  # process-wide: leave other tests alone
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (run by load/gpu_device.sh)")
+def test_frame_step_from_cuda_graphs_equals_the_eager_step():
+    """frame_graphs: the step replayed from one CUDA graph per width gives the eager engine's codes,
+    stream for stream, while streams join, one is cancelled and the width changes; every frame step
+    after warm-up is a replay (no capture), and the greedy stream alone matches too."""
+    cfg = dict(device="cuda", max_frames=40, max_seq_len=256, num_slots=4)
+    eager, graphed = TTSEngine(TTSConfig.tiny(**cfg)), TTSEngine(TTSConfig.tiny(frame_graphs=True, **cfg))
+    for e in (eager, graphed):
+        e.warmup()
+    captured = dict(graphed.fns["frame"].compiled.graphs)
+    assert len(captured) == len(graphed.batch_widths) == 3
+    want, _ = _in_a_batch(eager, temperature=0.0)
+    got, widths = _in_a_batch(graphed, temperature=0.0)
+    assert {1, 2, 4} <= set(widths)
+    assert graphed.fns["frame"].compiled.graphs == captured  # replays only
+    assert graphed.stats()["unseen_shape_calls"] == 0
+    for k in want:
+        np.testing.assert_array_equal(got[k][0], want[k][0], err_msg=k)
+    np.testing.assert_array_equal(_alone(graphed, "a", temperature=0.0)[0], _alone(eager, "a", temperature=0.0)[0])
+
+
+def test_frame_graphs_need_cuda_and_exclude_compile():
+    with pytest.raises(ValueError, match="CUDA"):
+        TTSConfig.tiny(frame_graphs=True)
+    with pytest.raises(ValueError, match="choose one"):
+        TTSConfig.tiny(frame_graphs=True, compile=True, device="cuda")

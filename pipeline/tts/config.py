@@ -56,6 +56,9 @@ class TTSConfig:
     compile: bool = False
     compile_backend: str = "inductor"  # "aot_eager"/"eager" trace and guard the same way, without codegen
     compile_mode: str | None = None  # None: "reduce-overhead" (CUDA graphs) on CUDA, inductor's default on CPU
+    # CUDA only: replay the frame step from one CUDA graph per batch width, captured at warm-up, no
+    # compile (pipeline/tts/cuda_graphs.py; the step is launch-bound: docs/gpu.md). Not with compile.
+    frame_graphs: bool = False
     # Prompt lengths are padded (at the end, causally masked) up to one of these row counts; the
     # largest is capped at max_seq_len. None: powers of two from 64 to max_seq_len.
     prefill_buckets: tuple[int, ...] | None = None
@@ -72,6 +75,11 @@ class TTSConfig:
     def __post_init__(self) -> None:
         if self.profile not in ("tiny", "full", "real"):
             raise ValueError(f"TTSConfig.profile must be 'tiny', 'full' or 'real', got {self.profile!r}")
+        if self.frame_graphs and not str(self.device).startswith("cuda"):
+            raise ValueError(f"TTSConfig.frame_graphs needs a CUDA device, got device={self.device!r}")
+        if self.frame_graphs and self.compile:
+            raise ValueError("TTSConfig: frame_graphs and compile both capture the frame step; choose one "
+                             "(compile on CUDA already replays CUDA graphs)")
         for name, spec in self.voice_specs().items():
             unknown = set(spec) - {"speaker", "clip", "text"}
             if unknown:

@@ -48,6 +48,7 @@ import torch
 from pipeline.engines import EngineBusy
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, load_csm, tiny_arch
+from pipeline.tts.cuda_graphs import GraphedFunction
 from pipeline.tts.mimi import FRAME_SIZE, SAMPLE_RATE, SlotDecoder, encode_streaming_modules, load_mimi, to_int16
 from pipeline.tts.prompt import BOT_SPEAKER, PromptBuilder, Segment
 from pipeline.tts.sampling import race_noise, race_width
@@ -290,7 +291,8 @@ class TTSEngine:
             return ShapeGate(name, f, compiled(f, fullgraph) if compile_it else None, cfg.slow_step_ms, before)
 
         self.fns: dict[str, ShapeGate] = {
-            "frame": fn("frame", self._frame_fn),
+            "frame": (ShapeGate("frame", self._frame_fn, GraphedFunction(self._frame_fn), cfg.slow_step_ms)
+                      if cfg.frame_graphs else fn("frame", self._frame_fn)),
             "prefill": fn("prefill", self.csm.prefill_at),
             "encode": fn("encode", self._mimi_encode, fullgraph=False),
             # Mimi's streaming state holds Python ints (offsets): eager, in fixed-size pieces
@@ -579,7 +581,7 @@ class TTSEngine:
         caches are per thread). With ``compile``: an eager pass first (Mimi's quantizer builds its
         tables on first use, so a compile before it would be traced twice), then the compiled pass.
         Then the gates are sealed and torch's compiler stance set to ``cfg.stance_after_warmup``."""
-        passes = (True, False) if self.cfg.compile else (True,)
+        passes = (True, False) if self.cfg.compile or self.cfg.frame_graphs else (True,)
         t0 = time.perf_counter()
         try:  # under torch's default stance: one left by another engine of this process could skip compiles
             with torch.compiler.set_stance("default"):
