@@ -5,7 +5,8 @@
 #   bash load/gpu_wheels.sh
 # moshi, llguidance (+ jsonschema) for the TTS, stall and tools steps; nemo_toolkit and its import
 # closure for the STT step, with lightning 2.4.0 (what NeMo 3.0 runs with here: the image's 2.6.6
-# fails NeMo's logger import). Versions as in .venv; all installed there with --no-deps.
+# fails NeMo's logger import); pytest for the CUDA-only engine tests (GRAPHS=1). Versions as in .venv;
+# all installed there with --no-deps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -15,7 +16,7 @@ datasets==5.2.0 decorator==5.3.1 dill==0.4.1 hydra_core==1.3.2 intervaltree==3.2
 jsonschema_specifications==2025.9.1 kaldialign==0.12.0 lhotse==1.33.0 librosa==0.11.0 lightning==2.4.0
 llguidance==1.9.1 moshi==0.2.13 multiprocess==0.70.19 nemo_toolkit==3.0.0 nv_one_logger_core==2.3.1
 nv_one_logger_pytorch_lightning_integration==2.3.1 nv_one_logger_training_telemetry==2.3.1 omegaconf==2.3.0
-overrides==7.7.0 platformdirs==4.14.9 pooch==1.9.0 pycparser==3.12 pydantic==2.14.4 pydantic_core==2.50.5
+iniconfig==2.3.1 pluggy==1.7.0 pytest==9.2.0 overrides==7.7.0 platformdirs==4.14.9 pooch==1.9.0 pycparser==3.12 pydantic==2.14.4 pydantic_core==2.50.5
 referencing==0.37.0 rpds_py==2026.9.1 soundfile==0.14.0 soxr==1.1.0 toml==0.10.2 typing_extensions==4.16.0
 typing_inspection==0.4.5 webdataset==1.0.2"
 # shellcheck disable=SC2086
