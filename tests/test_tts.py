@@ -9,7 +9,7 @@ from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, arch_from_hf_config, load_csm, map_hf_state_dict, tiny_arch
 from pipeline.tts.engine import Segment, TTSEngine
 from pipeline.tts.mimi import FRAME_SIZE, SlotDecoder, load_mimi
-from pipeline.tts.sampling import race_noise
+from pipeline.tts.sampling import Race, race_noise
 
 torch.set_num_threads(1)
 
@@ -161,6 +161,39 @@ def test_race_noise_is_a_function_of_seed_and_counter_only():
     u = torch.exp(-big).sort().values  # uniform if Exp(1): Kolmogorov-Smirnov distance
     ks = (u - torch.arange(1, len(u) + 1, dtype=torch.float64) / len(u)).abs().max().item()
     assert ks < 1.36 / len(u) ** 0.5  # the 5 % critical value
+
+
+
+def _race_in_probabilities(logits, temperature, top_k, noise):
+    """The exponential race as written: softmax(z / t) over the top k, divided by the noise, argmax."""
+    out = []
+    for z, t, e in zip(logits.double(), temperature.double(), noise.double()):
+        if t <= 0:
+            out.append(int(z.argmax()))
+            continue
+        # the noise's columns follow the candidates in the order the sampler's top-k returns them
+        cand = z.float().topk(top_k, sorted=False).indices if top_k else torch.arange(len(z))
+        p = torch.softmax(z[cand] / t, dim=0)
+        out.append(int(cand[(p / e[: len(cand)]).argmax()]))
+    return out
+
+
+@pytest.mark.parametrize("top_k", [50, 0])
+def test_race_draws_what_the_race_in_probabilities_draws(top_k):
+    """Race (log space, per-frame parts hoisted) against the race written in probabilities, in
+    float64, on 512 rows of random logits at mixed temperatures (some greedy): the same tokens."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab, n_valid = 512, 2051, 2048
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature = torch.tensor([0.0, 0.5, 0.9, 1.3] * (rows // 4))
+    width = top_k or n_valid
+    noise = race_noise(torch.arange(rows), torch.zeros(rows, dtype=torch.long), 2, width)
+    race = Race(temperature, top_k, n_valid, noise)
+    got = race.draw(logits, 1)[:, 0].tolist()
+    want = _race_in_probabilities(logits[:, :n_valid], temperature, top_k, noise[:, 1])
+    assert got == want
+    assert got[::4] == logits[::4, :n_valid].argmax(1).tolist()  # temperature 0: the argmax
+    assert len(set(got[2::4])) > 100  # sampled rows really draw (not the argmax every time)
 
 
 # -- 3. stream() ------------------------------------------------------------------------------

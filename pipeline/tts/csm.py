@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.tts.sampling import sample_token
+from pipeline.tts.sampling import Race
 
 
 @dataclass
@@ -134,14 +134,19 @@ class Attention(nn.Module):
         """``x`` [B, T, D] at cache positions ``pos`` ([B or 1, T] long), ``rot`` its rotations
         [B or 1, T, hd, hd], ``mask`` [B or 1, 1, T, max_len]. ``row`` None: batch row b is cache row
         b (a prefix of the cache, a view: no copy); ``row`` [1] long: the one cache row of a
-        single-row call (a prompt prefill into a stream's slot)."""
+        single-row call (a prompt prefill into a stream's slot). ``pos`` an int: every row at
+        positions ``pos .. pos + T - 1`` (the depth decoder), written by slicing."""
         b, t, _ = x.shape
         h = self.n_heads + self.n_kv
         qkv = self.wqkv(x).view(b, t, h + self.n_kv, self.hd)
         qk = (qkv[:, :, :h] @ rot).transpose(1, 2)  # rotary on q and k at once
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, :, h:].transpose(1, 2)
-        if row is None:  # each row writes its own positions
+        if isinstance(pos, int):  # the same positions in every row: a slice of the cache, no index
+            kc, vc = self.k_cache[:b], self.v_cache[:b]
+            kc[:, :, pos : pos + t] = k
+            vc[:, :, pos : pos + t] = v
+        elif row is None:  # each row writes its own positions
             kc, vc = self.k_cache[:b], self.v_cache[:b]
             where = pos.view(-1, 1, t, 1).expand(b, self.n_kv, t, self.hd)
             kc.scatter_(2, where, k)
@@ -200,6 +205,20 @@ class Transformer(nn.Module):
         mask = self.causal[pos].unsqueeze(1)  # [B, 1, T, max_len]
         for layer in self.layers:
             x = layer(x, rot, mask, pos, row)
+        return self.norm(x)
+
+    def forward_at(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """``x`` [B, T, D] with every row at positions ``start .. start + T - 1`` (Python ints: the
+        depth decoder, whose rows all stand at the same codebook) -> normed hidden states [B, T, D].
+        The same as :meth:`forward` at ``span(start, T)``, with slices of the tables and the cache
+        instead of gathers and scatters (fewer ops per depth step, where the CPU step's time goes)."""
+        t = x.shape[1]
+        if start + t > self.max_len:
+            raise ValueError(f"sequence position {start + t} beyond the KV cache ({self.max_len})")
+        rot = self.rot[start : start + t].unsqueeze(0)  # [1, T, hd, hd]
+        mask = self.causal[start : start + t].view(1, 1, t, self.max_len)
+        for layer in self.layers:
+            x = layer(x, rot, mask, start)
         return self.norm(x)
 
     def span(self, start: int, length: int) -> torch.Tensor:
@@ -302,13 +321,13 @@ class CSM(nn.Module):
         k = self.arch.num_codebooks
         if not isinstance(temperature, torch.Tensor):
             temperature = torch.full((h.shape[0],), float(temperature), device=h.device)
-        c = sample_token(self.c0_logits(h), temperature, top_k, self.n_valid, None if noise is None else noise[:, 0])
+        race = Race(temperature, top_k, self.n_valid, noise)  # the per-frame part of sampling, once
+        c = race.draw(self.c0_logits(h), 0)
         out = [c]
         x = self.projection(torch.stack([h, self.audio_embeddings(c[:, 0])], dim=1))
         for i in range(1, k):
-            y = self.decoder(x, self.decoder.span(0 if i == 1 else i, x.shape[1]))[:, -1]
-            c = sample_token(y @ self.audio_head[i - 1], temperature, top_k, self.n_valid,
-                             None if noise is None else noise[:, i])
+            y = self.decoder.forward_at(x, 0 if i == 1 else i)[:, -1]
+            c = race.draw(y @ self.audio_head[i - 1], i)
             out.append(c)
             if i < k - 1:
                 x = self.projection(self.audio_embeddings(c + self.offsets[i]))

@@ -45,24 +45,32 @@ def race_noise(seeds: torch.Tensor, counters: torch.Tensor, k: int, width: int) 
     return -torch.log(u)
 
 
-def sample_token(logits: torch.Tensor, temperature: torch.Tensor, top_k: int, n_valid: int,
-                 noise: torch.Tensor | None) -> torch.Tensor:
-    """[B, V] logits -> [B, 1] tokens among the first ``n_valid`` entries, without a host sync.
+class Race:
+    """One frame's draws for B rows (per-row temperature, one ``top_k``), set up once per frame.
 
-    ``temperature`` [B]: rows at or below 0 take the argmax. ``noise`` [B, width]
-    (:func:`race_noise`); ``None`` makes every row greedy. ``top_k`` (0: off) is one width for
-    all rows, so the step keeps static shapes."""
-    logits = logits[..., :n_valid]
-    greedy = logits.argmax(dim=-1, keepdim=True)
-    if noise is None:
-        return greedy
-    if 0 < top_k < n_valid:  # draw among the top k only: the race below then runs over k entries
-        logits, idx = torch.topk(logits, top_k, dim=-1, sorted=False)
-    else:
+    ``argmax(p / E)`` over the candidates is ``argmax(z / t - log E)`` for logits ``z`` (the
+    softmax's normalizer does not move an argmax), so a draw is a scale, a subtraction and an
+    argmax, with ``1 / t`` and ``log E`` computed once for all 32 codebooks of the frame. A row at
+    temperature <= 0 gets scale 1 and no noise: its draw is the argmax. All on the device, no host
+    sync; ``noise`` [B, K, width] from :func:`race_noise`, or None: every row greedy."""
+
+    def __init__(self, temperature: torch.Tensor, top_k: int, n_valid: int, noise: torch.Tensor | None):
+        self.n_valid = n_valid
+        self.top_k = top_k if 0 < top_k < n_valid else 0
+        self.log_noise = None
+        if noise is not None:
+            t = temperature.view(-1, 1, 1).float()
+            sampled = t > 0
+            self.scale = torch.where(sampled, 1.0 / t.clamp_min(1e-6), 1.0)[:, 0]  # [B, 1]
+            self.log_noise = torch.where(sampled, noise.log(), 0.0)  # [B, K, width]
+
+    def draw(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        """[B, V] logits of codebook ``i`` -> [B, 1] tokens among the first ``n_valid`` entries."""
+        z = logits[..., : self.n_valid]
+        if self.log_noise is None:
+            return z.argmax(dim=-1, keepdim=True)
         idx = None
-    t = temperature.view(-1, 1)
-    probs = torch.softmax(logits.float() / t.clamp_min(1e-6), dim=-1)
-    choice = (probs / noise).argmax(dim=-1, keepdim=True)
-    if idx is not None:
-        choice = idx.gather(-1, choice)
-    return torch.where(t > 0, choice, greedy)
+        if self.top_k:  # the race then runs over the top k only
+            z, idx = torch.topk(z, self.top_k, dim=-1, sorted=False)
+        choice = (z.float() * self.scale - self.log_noise[:, i]).argmax(dim=-1, keepdim=True)
+        return choice if idx is None else idx.gather(-1, choice)
