@@ -44,7 +44,7 @@ class SessionConfig:
     # canceller tells the user from the reply's own echo (echo.py), and words heard while the
     # microphone may carry the echo interrupt only with VAD speech in the cancelled audio.
     barge_in: bool | str = "vad"
-    barge_in_min_speech_ms: float = 150
+    barge_in_min_speech_ms: float = 64  # two 32 ms VAD windows: interrupted at speech.started (docs/turn-taking.md)
     # Speech over a reply pauses it instead of ending it until the speech proves a turn: a word that
     # is not a backchannel (partial or final transcript) ends it, as without this; speech that ends
     # with nothing but backchannel words (or none) is no turn, and the reply resumes where it paused.
