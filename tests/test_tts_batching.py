@@ -183,3 +183,16 @@ def test_frame_graphs_need_cuda_and_exclude_compile():
         TTSConfig.tiny(frame_graphs=True)
     with pytest.raises(ValueError, match="choose one"):
         TTSConfig.tiny(frame_graphs=True, compile=True, device="cuda")
+
+
+def test_compile_fns_chooses_what_compiles():
+    """compile_fns: only the named gated functions get a compiled path (a CPU compiles the step alone)."""
+    engine = TTSEngine(TTSConfig.tiny(max_frames=10, max_seq_len=128, num_slots=2, compile=True,
+                                      compile_backend="aot_eager", compile_fns=("frame",)))
+    assert engine.fns["frame"].compiled is not None
+    assert engine.fns["prefill"].compiled is None and engine.fns["encode"].compiled is None
+    everything = TTSEngine(TTSConfig.tiny(max_frames=10, max_seq_len=128, num_slots=2, compile=True,
+                                          compile_backend="aot_eager"))
+    assert all(everything.fns[n].compiled is not None for n in ("frame", "prefill", "encode"))
+    with pytest.raises(ValueError, match="compile_fns"):
+        TTSConfig.tiny(compile_fns=("frame", "decode"))

@@ -56,6 +56,9 @@ class TTSConfig:
     compile: bool = False
     compile_backend: str = "inductor"  # "aot_eager"/"eager" trace and guard the same way, without codegen
     compile_mode: str | None = None  # None: "reduce-overhead" (CUDA graphs) on CUDA, inductor's default on CPU
+    # Which of them compile: "frame" (the step), "prefill", "encode". On a CPU the frame step alone
+    # is where compiling pays (2.1x the eager step, ~110 s of compile per batch width: docs/concurrency.md).
+    compile_fns: tuple[str, ...] = ("frame", "prefill", "encode")
     # CUDA only: replay the frame step from one CUDA graph per batch width, captured at warm-up, no
     # compile (pipeline/tts/cuda_graphs.py; the step is launch-bound: docs/gpu.md). Not with compile.
     frame_graphs: bool = False
@@ -75,6 +78,9 @@ class TTSConfig:
     def __post_init__(self) -> None:
         if self.profile not in ("tiny", "full", "real"):
             raise ValueError(f"TTSConfig.profile must be 'tiny', 'full' or 'real', got {self.profile!r}")
+        unknown = set(self.compile_fns) - {"frame", "prefill", "encode"}
+        if unknown:
+            raise ValueError(f"TTSConfig.compile_fns: unknown {sorted(unknown)} (frame, prefill, encode)")
         if self.frame_graphs and not str(self.device).startswith("cuda"):
             raise ValueError(f"TTSConfig.frame_graphs needs a CUDA device, got device={self.device!r}")
         if self.frame_graphs and self.compile:

@@ -288,6 +288,7 @@ class TTSEngine:
             return torch.compile(fn, **kw)
 
         def fn(name, f, fullgraph=True, compile_it=True):
+            compile_it = compile_it and name in cfg.compile_fns
             return ShapeGate(name, f, compiled(f, fullgraph) if compile_it else None, cfg.slow_step_ms, before)
 
         self.fns: dict[str, ShapeGate] = {
