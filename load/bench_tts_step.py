@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 
 import torch
 
+from load.bench_tts_batch import summary
 from pipeline.runtime import keep_large_allocations, pin_torch_threads
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.cuda_graphs import GraphedFunction
@@ -55,10 +55,6 @@ def step_inputs(engine: TTSEngine, width: int, seed: int) -> tuple:
 def sync(engine: TTSEngine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def main() -> None:

@@ -163,7 +163,6 @@ def test_race_noise_is_a_function_of_seed_and_counter_only():
     assert ks < 1.36 / len(u) ** 0.5  # the 5 % critical value
 
 
-
 def _race_in_probabilities(logits, temperature, top_k, noise):
     """The exponential race as written: softmax(z / t) over the top k, divided by the noise, argmax."""
     out = []

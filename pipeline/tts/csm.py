@@ -142,12 +142,12 @@ class Attention(nn.Module):
         qk = (qkv[:, :, :h] @ rot).transpose(1, 2)  # rotary on q and k at once
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, :, h:].transpose(1, 2)
-        if isinstance(pos, int):  # the same positions in every row: a slice of the cache, no index
+        if row is None:
             kc, vc = self.k_cache[:b], self.v_cache[:b]
+        if isinstance(pos, int):  # the same positions in every row: a slice of the cache, no index
             kc[:, :, pos : pos + t] = k
             vc[:, :, pos : pos + t] = v
         elif row is None:  # each row writes its own positions
-            kc, vc = self.k_cache[:b], self.v_cache[:b]
             where = pos.view(-1, 1, t, 1).expand(b, self.n_kv, t, self.hd)
             kc.scatter_(2, where, k)
             vc.scatter_(2, where, v)

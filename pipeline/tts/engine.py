@@ -279,8 +279,10 @@ class TTSEngine:
                 if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < need:
                     setattr(torch._dynamo.config, name, need)
 
-        def compiled(fn, fullgraph: bool):
-            if not cfg.compile:
+        def compiled(name, fn, fullgraph: bool):
+            if cfg.frame_graphs and name == "frame":  # captured, not compiled
+                return GraphedFunction(fn)
+            if not cfg.compile or name not in cfg.compile_fns:
                 return None
             kw: dict = dict(dynamic=False, fullgraph=fullgraph, backend=cfg.compile_backend)
             if mode and cfg.compile_backend == "inductor":
@@ -288,12 +290,10 @@ class TTSEngine:
             return torch.compile(fn, **kw)
 
         def fn(name, f, fullgraph=True, compile_it=True):
-            compile_it = compile_it and name in cfg.compile_fns
-            return ShapeGate(name, f, compiled(f, fullgraph) if compile_it else None, cfg.slow_step_ms, before)
+            return ShapeGate(name, f, compiled(name, f, fullgraph) if compile_it else None, cfg.slow_step_ms, before)
 
         self.fns: dict[str, ShapeGate] = {
-            "frame": (ShapeGate("frame", self._frame_fn, GraphedFunction(self._frame_fn), cfg.slow_step_ms)
-                      if cfg.frame_graphs else fn("frame", self._frame_fn)),
+            "frame": fn("frame", self._frame_fn),
             "prefill": fn("prefill", self.csm.prefill_at),
             "encode": fn("encode", self._mimi_encode, fullgraph=False),
             # Mimi's streaming state holds Python ints (offsets): eager, in fixed-size pieces
