@@ -5,7 +5,8 @@
                                                                        # with the gateway's CPU per audio second
 
 Turns alternate typed and spoken, each of a different length. Spoken turns come from WAV
-files synthesized with espeak-ng when it is installed (`apt-get install espeak-ng`), else from
+files synthesized with espeak-ng when it is installed (`apt-get install espeak-ng`) or rendered
+beforehand (load/speech.py, ``$GAPLESS_SPEECH_DIR``), else from
 a speech-shaped synthetic signal. Records every gap between consecutive audio chunks of a
 reply and each turn's time to first audio; prints a table and a JSON line, writes a JSON
 report and a PNG timeline (gaps over the limit in red), and exits 1 if any gap exceeds
@@ -16,18 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from load import speech
 from load.client import Conversation, TurnResult, add_token_argument
 from load.processes import ProcessCPU
 from pipeline import protocol as P
-from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample, speech_like
+from pipeline.audio import float_to_int16, int16_to_float, resample, speech_like
 
 TYPED = [
     "Hello!",
@@ -53,11 +52,8 @@ SPOKEN = [
 
 def spoken_audio(i: int, text: str) -> tuple[np.ndarray, str]:
     """16 kHz int16 audio for spoken turn ``i``: espeak-ng if present, else synthetic."""
-    if shutil.which("espeak-ng"):
-        with tempfile.TemporaryDirectory() as tmp:
-            wav = Path(tmp) / "turn.wav"
-            subprocess.run(["espeak-ng", "-s", "160", "-w", str(wav), text], check=True, capture_output=True)
-            pcm, rate = read_wav(str(wav))
+    if speech.can_say(text):
+        pcm, rate = speech.spoken(text)
         return float_to_int16(resample(int16_to_float(pcm), rate, P.INPUT_SAMPLE_RATE)), "espeak-ng"
     return speech_like(0.8 + 0.4 * len(text.split()) / 3, seed=i), "synthetic"
 

@@ -6,11 +6,10 @@
 #   bash load/gpu_device.sh --dry-run  # the same steps on CPU with tiny shapes (.venv/bin/python): ~1.5 min
 #   GRAPHS=1 bash load/gpu_device.sh   # only the TTS frame step from CUDA graphs (below), ~6 minutes
 #
-# On the device, what its python3 lacks (moshi, llguidance, jsonschema, nemo_toolkit and NeMo's import
-# closure) travels as Python 3.12 wheels in .whl/ (made here by `bash load/gpu_wheels.sh`; ignored by
-# git: name it in `carry`), installed to
-# /tmp/site with --no-deps (moshi's pins on torch/numpy/hub are not its runtime needs; scripts/install.sh
-# installs it the same way).
+# On the device, what its python3 lacks travels as the wheelhouse of `bash load/gpu_wheels.sh`
+# (.gpu_carry/part-K, one per device call made back to back; ignored by git: name it in `carry`),
+# joined, checked and installed to /tmp/site with --no-deps (load/steps.sh install_carried; moshi's
+# pins on torch/numpy/hub are not its runtime needs, and scripts/install.sh installs it the same way).
 #
 # Steps (each with its own time limit; one that fails or runs out is recorded and the rest go on):
 #   tts       load.bench_tts_batch: CSM-1B + Mimi frame step at batch widths 1/8/32 vs one stream at a
@@ -36,10 +35,12 @@ STEPS=$(mktemp)  # name, rc, seconds per step (into summary.json)
 trap 'rm -f "$STEPS"' EXIT
 : > "$OUT/env.log"
 
-if [ $DRY = 0 ] && [ -d .whl ]; then  # the carried wheels; PYTHONPATH reaches every step's child processes
-  t0=$SECONDS
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >> "$OUT/env.log" 2>&1 || { echo "wheel install failed:"; tail -n 20 "$OUT/env.log"; exit 1; }
+STEP_LOGS="$OUT" STEP_TSV="$STEPS"
+# shellcheck source=load/steps.sh
+source load/steps.sh
+if [ $DRY = 0 ] && ls "${CARRY:-.gpu_carry}"/part-*/MANIFEST.json >/dev/null 2>&1; then
+  t0=$SECONDS  # the carried wheelhouse; PYTHONPATH reaches every step's child processes
+  install_carried /tmp/site >> "$OUT/env.log" 2>&1 || { echo "wheel install failed:"; tail -n 20 "$OUT/env.log"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   echo "wheels installed to /tmp/site in $((SECONDS - t0)) s" | tee -a "$OUT/env.log"
 fi
@@ -60,10 +61,6 @@ def ver(n):
 print(", ".join(f"{n} {ver(n)}" for n in names))
 PY
 } 2>&1 | tee -a "$OUT/env.log"
-
-STEP_LOGS="$OUT" STEP_TSV="$STEPS"
-# shellcheck source=load/steps.sh
-source load/steps.sh
 
 if [ $DRY = 1 ]; then
   TTS="--profile tiny --device cpu --widths 1,2 --frames 8 --rounds 1"

@@ -3,32 +3,69 @@
 espeak-ng pads its output with silence of its own; :func:`espeak` trims it to the first and
 last sample above a noise floor, so a clip built by :func:`padded` or :func:`with_pauses` knows
 where its speech starts and ends (the reference the turn-taking tests and tools measure from).
+
+A machine without espeak-ng (the air-gapped GPU machine) speaks from clips rendered elsewhere:
+``python -m load.speech render DIR`` writes every clip the load tools say, and ``$GAPLESS_SPEECH_DIR``
+(DIR) is read before espeak-ng is asked (and written when espeak-ng speaks a clip it lacks).
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample
+from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample, write_wav
 
 RATE = 16_000
 FLOOR = 0.01  # of full scale: a sample above it is sound, not silence
+
+
+CLIPS_ENV = "GAPLESS_SPEECH_DIR"
 
 
 def available() -> bool:
     return shutil.which("espeak-ng") is not None
 
 
-def espeak(text: str, speed: int = 160) -> np.ndarray:
-    """``text`` spoken by espeak-ng, 16 kHz int16, trimmed to its sound."""
+def _clip_path(text: str, speed: int) -> Path | None:
+    root = os.environ.get(CLIPS_ENV)
+    key = hashlib.sha256(f"{speed}\n{text}".encode()).hexdigest()[:20]
+    return Path(root) / f"{key}.wav" if root else None
+
+
+def can_say(text: str, speed: int = 160) -> bool:
+    clip = _clip_path(text, speed)
+    return available() or (clip is not None and clip.exists())
+
+
+def spoken(text: str, speed: int = 160) -> tuple[np.ndarray, int]:
+    """espeak-ng's output for ``text`` as it wrote it (int16, its own rate and padding): from
+    ``$GAPLESS_SPEECH_DIR`` when the clip is there, else from espeak-ng (kept there when set)."""
+    clip = _clip_path(text, speed)
+    if clip is not None and clip.exists():
+        return read_wav(str(clip))
+    if not available():
+        raise RuntimeError(f"espeak-ng is not installed and {CLIPS_ENV} holds no clip of {text!r} "
+                           f"(render them where espeak-ng is: python -m load.speech render DIR)")
     with tempfile.TemporaryDirectory() as tmp:
         wav = Path(tmp) / "speech.wav"
         subprocess.run(["espeak-ng", "-s", str(speed), "-w", str(wav), text], check=True, capture_output=True)
         pcm, rate = read_wav(str(wav))
+    if clip is not None:
+        clip.parent.mkdir(parents=True, exist_ok=True)
+        write_wav(str(clip), pcm, rate)
+    return pcm, rate
+
+
+def espeak(text: str, speed: int = 160) -> np.ndarray:
+    """``text`` spoken by espeak-ng, 16 kHz int16, trimmed to its sound."""
+    pcm, rate = spoken(text, speed)
     pcm = float_to_int16(resample(int16_to_float(pcm), rate, RATE))
     first, last = sound_bounds(pcm)
     return pcm[first:last]
@@ -56,3 +93,21 @@ def with_pauses(parts: list[str], pause_s: float, speed: int = 160) -> np.ndarra
             out.append(silence(pause_s))
         out.append(espeak(text, speed))
     return np.concatenate(out)
+
+
+def render(root: str) -> int:
+    """Every clip the load tools say (load.gaps, load.concurrency, load.cost, load.turn_taking) into
+    ``root``, for a machine without espeak-ng. Returns the number of clips."""
+    from load import gaps, turn_taking
+
+    os.environ[CLIPS_ENV] = root
+    texts = [*gaps.SPOKEN, *turn_taking.SENTENCES, *turn_taking.PAUSED[0], turn_taking.PERSON]
+    for text in texts:
+        spoken(text)
+    return len(texts)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "render":
+        sys.exit("usage: python -m load.speech render DIR")
+    print(f"{render(sys.argv[2])} clips in {sys.argv[2]}")

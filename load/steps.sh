@@ -1,4 +1,5 @@
-# Sourced by the GPU check scripts (load/gpu_check.sh, load/gpu_device.sh): one timed step.
+# Sourced by the GPU check scripts (load/gpu_check.sh, load/gpu_device.sh, load/gpu_serve.sh): one timed
+# step, and the install of what was carried to an air-gapped machine.
 #   step NAME LIMIT_S CMD...  runs CMD with a time limit, logs it to $STEP_LOGS/NAME.log, appends
 #                             "NAME<tab>rc<tab>seconds" to $STEP_TSV (load/step_summary.py reads both)
 step() {
@@ -10,4 +11,28 @@ step() {
   local rc=$?
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$STEP_TSV"
   echo "   rc=$rc in $((SECONDS - t0)) s; last line: $(tail -n 1 "$STEP_LOGS/$name.log" | cut -c1-200)"
+}
+
+# install_carried DEST   the wheels carried to an air-gapped machine (load/gpu_wheels.sh: .gpu_carry/part-*,
+#                        one per device call) joined, every checksum checked, and installed with no index
+#                        into DEST (put it on PYTHONPATH); then what the image lacks for them is listed
+#                        and the app's imports are tried. With DRY=1 (a CPU machine of another Python), the
+#                        same install for Python 3.12 Linux x86-64 into DEST, without the import check.
+install_carried() {
+  local dest=$1 wheels
+  wheels=$(mktemp -d)
+  $PY -m load.wheelhouse join "${CARRY:-.gpu_carry}" "$wheels" || return 1
+  local target=()
+  [ "${DRY:-0}" = 1 ] && target=(--python-version 3.12 --implementation cp --abi cp312 --only-binary=:all:
+    --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$dest" "${target[@]}" \
+    "$wheels"/*.whl || return 1
+  rm -rf "$wheels"
+  echo "installed $(ls -d "$dest"/*.dist-info | wc -l) distributions into $dest"
+  [ "${DRY:-0}" = 1 ] && return 0
+  PYTHONPATH="$dest${PYTHONPATH:+:$PYTHONPATH}" $PY -m load.wheelhouse check "$dest" || true  # listed, not fatal
+  PYTHONPATH="$dest:$PWD${PYTHONPATH:+:$PYTHONPATH}" $PY -c "import ray.serve, starlette, uvicorn, msgpack, onnxruntime, \
+silero_vad, livekit.rtc, moshi.models.loaders, nemo.collections.asr, llguidance, openai, deployments.app; print('imports ok')"
 }
