@@ -45,6 +45,7 @@ class ModelReplica:
         # Load and warm on the thread that will serve: per-thread caches get filled there.
         self.engine = self.thread.call(warm_start(name, cfg, lambda: load(cfg)))
         COUNTER.mark_warm()
+        metrics.watch_gpu_memory(name)  # GPU replicas: voice_gpu_memory_bytes
         log.info("%s ready in %.1f s (%d torch thread(s))", name, time.perf_counter() - t0, threads)
 
     async def ready(self) -> bool:

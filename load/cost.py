@@ -15,7 +15,8 @@ the app costs with nobody talking. The load client's own CPU (this process, not 
 is reported too, since it shares the machine. Prints a table (rows: roles, columns: N), the gap
 stats of each level beside it (p50 / max gap, gaps over ``--max-gap-ms``, errors), and one JSON
 line; writes the JSON report to ``--out`` + ``.json``. For where the time goes inside a process,
-see load/profile.py.
+see load/profile.py. Where ``nvidia-smi`` runs, each level and the baseline also get the GPU's busy
+share and peak memory and GPU-seconds per conversation-second (load/gpu_usage.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import psutil
 from load.client import add_token_argument
 from load.concurrency import level_summary, loopback_target, run_level
 from load.gaps import PROTOCOLS
+from load.gpu_usage import GPUUsage
 from load.processes import SESSION_ROLES, CPUSample, session_cpu
 
 GAP_FIELDS = ("turns", "gap_p50_ms", "gap_max_ms", "gaps_over_limit", "ttfa_p50_ms", "errors")
@@ -62,7 +64,8 @@ def client_cpu() -> float:
 def measure(run, conversations: int) -> dict:
     """Run ``run()`` (a level, or a sleep) and return what the session's processes spent meanwhile."""
     before, client0, t0 = session_cpu(), client_cpu(), time.monotonic()
-    result = run()
+    with GPUUsage() as gpu:
+        result = run()
     wall = time.monotonic() - t0
     after, client1 = session_cpu(), client_cpu()
     cpu = spent(before, after)
@@ -72,7 +75,7 @@ def measure(run, conversations: int) -> dict:
             "cpu_s_per_conversation_s": {r: round(v, 4) for r, v in rates.items()},
             "cores_busy": round(sum(cpu.values()) / wall, 3),
             "client_cpu_s_per_conversation_s": round((client1 - client0) / (conversations * wall), 4),
-            "processes": len(after), "processes_gone": gone, "result": result}
+            "gpu": gpu.summary(conversations), "processes": len(after), "processes_gone": gone, "result": result}
 
 
 def print_table(baseline: dict | None, levels: list[dict], max_gap_ms: float) -> None:
@@ -83,6 +86,9 @@ def print_table(baseline: dict | None, levels: list[dict], max_gap_ms: float) ->
         print(f"{role:<12}" + "".join(f"{c['cpu_s_per_conversation_s'][role]:>10.3f}" for _, c in cols))
     print(f"{'cores busy':<12}" + "".join(f"{c['cores_busy']:>10.2f}" for _, c in cols))
     print(f"{'client':<12}" + "".join(f"{c['client_cpu_s_per_conversation_s']:>10.3f}" for _, c in cols))
+    if any(c["gpu"] for _, c in cols):  # GPU-seconds (nvidia-smi's busy share) per conversation-second
+        print(f"{'GPU':<12}" + "".join(f"{c['gpu']['gpu_s_per_conversation_s']:>10.3f}" if c["gpu"] else f"{'-':>10}"
+                                       for _, c in cols))
     pad = 10 if baseline else 0
     for field in GAP_FIELDS:
         label = "gaps>" + f"{max_gap_ms:.0f}" if field == "gaps_over_limit" else field.removesuffix("_ms")

@@ -144,13 +144,14 @@ async def main_async(args) -> dict:
     clips = [speech.padded(speech.espeak(t), 0.3, 0.0) for t in SENTENCES]
     paused = speech.padded(speech.with_pauses(*PAUSED), 0.3, 0.0)
     person = speech.espeak(PERSON).astype(np.float32)
-    rows, turns = await hands_free(args.url, clips * 2, args.token)
+    spoken = (clips * args.clips)[:args.clips]
+    rows, turns = await hands_free(args.url, spoken, args.token)
     v2v = [r["v2v"] for r in rows]
     if args.hands_free_only:
         return {"voice_to_voice_ms": {"n": len(v2v), "p50": _pct(v2v, 50), "p95": _pct(v2v, 95), "max": max(v2v, default=None)},
                 "voice_to_voice_split_ms": _split(rows),
                 "partial_every_ms": _pct([r["partial_every"] for r in rows if r["partial_every"]], 50),
-                "hands_free_turns": {"clips": len(clips) * 2, "turns": turns}}
+                "hands_free_turns": {"clips": len(spoken), "turns": turns}}
     _, paused_turns = await hands_free(args.url, [paused] * args.rounds, args.token)
     barge = [await reply_with_mic(args.url, person, echo=False, token=args.token) for _ in range(args.rounds)]
     first = [await reply_with_mic(args.url, person, echo=False, token=args.token, after_s=0.0) for _ in range(args.rounds)]
@@ -165,7 +166,7 @@ async def main_async(args) -> dict:
         # recogniser's last step), transcript.final -> first reply audio (LLM and TTS)
         "voice_to_voice_split_ms": _split(rows),
         "partial_every_ms": _pct([r["partial_every"] for r in rows if r["partial_every"]], 50),
-        "hands_free_turns": {"clips": len(clips) * 2, "turns": turns},
+        "hands_free_turns": {"clips": len(spoken), "turns": turns},
         "paused_sentence": {"runs": args.rounds, "turns": paused_turns, "cut": paused_turns - args.rounds},
         "barge_in_ms": {"n": len(b_ms), "of": len(barge), "p50": _pct(b_ms, 50), "p95": _pct(b_ms, 95), "max": max(b_ms, default=None)},
         "barge_in_first_chunk_ms": {"n": len(f_ms), "of": len(first), "p50": _pct(f_ms, 50), "p95": _pct(f_ms, 95),
@@ -182,6 +183,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--hands-free-only", action="store_true", help="only the hands-free turns (voice-to-voice)")
+    ap.add_argument("--clips", type=int, default=2 * len(SENTENCES), help="hands-free turns (the sentences in turn)")
     add_token_argument(ap)
     args = ap.parse_args()
     res = asyncio.run(main_async(args))

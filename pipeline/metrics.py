@@ -76,6 +76,10 @@ UNSEEN_SHAPES_AFTER_WARMUP = Counter(
     "Calls of a compiled step with a shape warm-up did not cover, run eagerly instead (should stay 0).",
     ["deployment"],
 )
+GPU_MEMORY = Gauge(
+    "voice_gpu_memory_bytes", "GPU memory of a model replica's process, from torch's caching allocator: reserved "
+    "now, and the most reserved since the process started (peak_reserved). A CUDA context's own ~0.5 GB is not in "
+    "it (nvidia-smi counts it).", ["deployment", "kind"], multiprocess_mode="liveall")
 SESSIONS_ACTIVE = Gauge("voice_sessions_active", "Open WebSocket sessions.", multiprocess_mode="livesum")
 TURNS = Counter("voice_turns", "User turns ended (spoken or typed).")
 BARGE_INS = Counter("voice_barge_ins", "Replies interrupted by a new user turn.")
@@ -157,6 +161,25 @@ def serve_node_metrics() -> threading.Thread | None:
     _node_thread = threading.Thread(target=hold_node_port, args=(path, address), name="node-metrics", daemon=True)
     _node_thread.start()
     return _node_thread
+
+
+def watch_gpu_memory(deployment: str, period_s: float = 5.0) -> threading.Thread | None:
+    """Keep this process's GPU memory gauges current (a daemon thread reading the allocator's
+    counters, no device sync); nothing where CUDA was never used."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+
+    def refresh() -> None:
+        while True:
+            GPU_MEMORY.labels(deployment=deployment, kind="reserved").set(torch.cuda.memory_reserved())
+            GPU_MEMORY.labels(deployment=deployment, kind="peak_reserved").set(torch.cuda.max_memory_reserved())
+            time.sleep(period_s)
+
+    thread = threading.Thread(target=refresh, name="gpu-memory", daemon=True)
+    thread.start()
+    return thread
 
 
 _LIVE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")

@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# The whole app served on one GPU machine at full size (random weights at the real shapes), as a user
+# runs it, and measured with the load tools: one prepared run that fits one device call.
+#
+#   bash load/gpu_serve.sh             # on the air-gapped GPU machine: its python3 (CUDA torch), no venv
+#   bash load/gpu_serve.sh --dry-run   # the same steps on a 2-core CPU with tiny shapes (.venv; CI runs it)
+#
+# Before the GPU run, here: `bash load/gpu_wheels.sh` (the wheelhouse in parts, the spoken clips), then
+# carry .gpu_carry/part-1, part-2, ... in device calls made back to back, the last one with
+# .gpu_carry/speech and `bash load/gpu_serve.sh` (docs/gpu.md "Served", "Air-gapped install").
+#
+# Steps (each with its own limit, cut to what is left of TOTAL_S; one that fails or runs out is
+# recorded and the rest go on; a step that has less than 30 s left is skipped):
+#   wheels         (dry run only, when nothing was packed) load/gpu_wheels.sh
+#   install        the carried parts joined, checksums checked, installed with no index (load/steps.sh)
+#   cold_start     `serve run` of serve_config.gpu.yaml as load.gpu_serve writes it (profile full, auth on
+#                  with a throw-away token, loopback), until /healthz answers 200: seconds, GPU memory
+#   gaps           load.gaps: one conversation, typed and spoken turns, chunk gaps and time to first audio
+#   cost_v1_N      load.cost at N conversations at once (load.concurrency's level, a step per N, so a level
+#                  cut off loses only itself) over protocol v1, with CPU-seconds and GPU-seconds
+#                  (nvidia-smi's busy share) per conversation-second
+#   turn_taking    load.turn_taking: hands-free voice-to-voice and its split (and barge-in unless skipped)
+#   cost_realtime_N  the same levels over the OpenAI Realtime endpoint
+#   metrics        /metrics after the load: compiles and unseen shapes after warm-up (should be 0), GPU
+#                  memory per replica process, the gateways' chunk-gap histogram
+#   warm_start     the app stopped and served again: seconds to /healthz 200 with the caches warm
+# Output ($OUT, default out/gpu_serve; at most 8 files come back from a device call): summary.json (each
+# step's exit status, seconds and last JSON line), facts.tsv, tables.md (the tables for docs/gpu.md),
+# logs.tar.gz (every log, serve run's included) and serve_config.served.yaml.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+OUT=${OUT:-out/gpu_serve}
+export CARRY=${CARRY:-.gpu_carry}
+if [ $DRY = 1 ]; then
+  PY=${PY:-.venv/bin/python}; BIN=$(dirname "$PY"); SITE=$(mktemp -d)
+  TOTAL_S=${TOTAL_S:-900}; COLD_S=300; LEVELS=${LEVELS:-1,2}; LEVEL_S=5; BASELINE_S=2; GAP_TURNS=2
+  TURN_ARGS="--clips 2 --rounds 1 --hands-free-only"
+else
+  PY=${PY:-python3}; SITE=${SITE:-/tmp/site}; BIN=$SITE/bin
+  TOTAL_S=${TOTAL_S:-540}; COLD_S=240; LEVELS=${LEVELS:-8,32,64}; LEVEL_S=15; BASELINE_S=3; GAP_TURNS=6
+  TURN_ARGS="--rounds 2"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0
+export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy_limits.configure  # as scripts/serve.sh
+[ -d "$CARRY/speech" ] && export GAPLESS_SPEECH_DIR=$PWD/$CARRY/speech  # no espeak-ng on the GPU machine
+rm -rf "$OUT"
+mkdir -p "$OUT/logs"
+STEP_LOGS="$OUT/logs" STEP_TSV="$OUT/steps.tsv"
+: > "$STEP_TSV"
+: > "$OUT/facts.tsv"
+# shellcheck source=load/steps.sh
+source load/steps.sh
+fact() { printf '%s\t%s\n' "$1" "$2" >> "$OUT/facts.tsv"; }
+T_END=$((SECONDS + TOTAL_S))
+run_step() {  # run_step NAME OWN_LIMIT_S CMD...: the step within what is left of TOTAL_S
+  local name=$1 own=$2 left=$((T_END - SECONDS))
+  shift 2
+  if [ $left -lt 30 ]; then
+    echo "== $name skipped: ${left} s left of ${TOTAL_S}"
+    printf '%s\t%s\t%s\n' "$name" 125 0 >> "$STEP_TSV"
+    return
+  fi
+  step "$name" $((own < left ? own : left)) "$@"
+}
+gpu_mem() { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{s += $1} END {print s}'; }
+
+fact label "$([ $DRY = 1 ] && echo "dry run (CPU, tiny)" || echo "GPU, profile full") $(date -u +%Y-%m-%dT%H:%MZ)"
+fact device "\"$( (nvidia-smi -L 2>/dev/null || echo "no GPU: $(nproc) CPU cores") | paste -sd';')\""
+
+# -- what was carried ---------------------------------------------------------------------------------
+if [ $DRY = 1 ] && ! ls "$CARRY"/part-*/MANIFEST.json >/dev/null 2>&1; then
+  run_step wheels 300 bash load/gpu_wheels.sh
+fi
+export PY SITE DRY
+run_step install 120 bash -c "source load/steps.sh; install_carried $SITE"
+if [ $DRY = 0 ]; then
+  export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}  # every Ray process inherits it
+else
+  rm -rf "$SITE"  # cp312 wheels: checked and installable, not for this Python
+fi
+fact versions "\"$($PY -c 'import sys, torch, ray; print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), ray {ray.__version__}")' 2>&1 | tail -n 1)\""
+
+# -- the app --------------------------------------------------------------------------------------------
+CONFIG="$OUT/serve_config.served.yaml"
+$PY -m load.gpu_serve config "$CONFIG" $([ $DRY = 1 ] && echo --dry-run)
+TOKEN=$($PY -c 'import secrets; print(secrets.token_urlsafe(32))')
+export GAPLESS_TOKENS=$TOKEN GAPLESS_TOKEN=$TOKEN
+SERVE_PID=""
+start_app() {  # start_app FACT: serve run in its own process group; FACT gets the seconds to /healthz 200
+  setsid "$BIN/serve" run "$CONFIG" >> "$OUT/logs/serve.log" 2>&1 &
+  SERVE_PID=$!
+  disown "$SERVE_PID"  # stopped by its process group, not waited for by this shell
+  local took
+  took=$($PY -m load.gpu_serve wait "$SERVE_PID" "$1") || { tail -n 40 "$OUT/logs/serve.log"; return 1; }
+  echo "healthy after $took s"
+  fact "$2" "$took"
+}
+stop_app() {
+  [ -n "$SERVE_PID" ] && kill -TERM -- "-$SERVE_PID" 2>/dev/null
+  "$BIN/ray" stop --force > /dev/null 2>&1
+  $PY -m load.gpu_serve down
+  SERVE_PID=""
+}
+trap 'stop_app; exit 130' INT TERM
+fact gpu_memory_before_mib "$(gpu_mem || echo null)"
+# The start runs in this shell (its pid is the app's), with the step's bookkeeping done by hand.
+t0=$SECONDS
+echo "== cold_start (limit ${COLD_S}s): serve run $CONFIG"
+start_app "$COLD_S" cold_start_s > "$OUT/logs/cold_start.log" 2>&1
+rc=$?
+printf '%s\t%s\t%s\n' cold_start "$rc" "$((SECONDS - t0))" >> "$STEP_TSV"
+echo "   rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/logs/cold_start.log")"
+fact gpu_memory_healthy_mib "$(gpu_mem || echo null)"
+
+if [ $rc = 0 ]; then
+  # shellcheck disable=SC2086
+  run_step gaps 90 $PY -m load.gaps --turns $GAP_TURNS --out "$OUT/logs/gap"
+  levels() {  # levels PROTOCOL: a load.cost step per N (the idle baseline before the first)
+    local base=$BASELINE_S n
+    for n in ${LEVELS//,/ }; do
+      run_step "cost_$1_$n" 75 $PY -m load.cost --protocol "$1" --sessions "$n" --seconds $LEVEL_S \
+        --baseline $base --no-progress --out "$OUT/logs/cost_$1_$n"
+      base=0
+    done
+  }
+  levels v1
+  # shellcheck disable=SC2086
+  run_step turn_taking 130 $PY -m load.turn_taking $TURN_ARGS --out "$OUT/logs/turn_taking"
+  levels realtime
+  run_step metrics 20 $PY -m load.gpu_serve metrics "$OUT/logs/metrics.json"
+  fact metrics_after_load "$(cat "$OUT/logs/metrics.json" 2>/dev/null || echo null)"
+  fact gpu_memory_after_load_mib "$(gpu_mem || echo null)"
+  stop_app
+  left=$((T_END - SECONDS))
+  if [ $left -ge 60 ]; then
+    t0=$SECONDS
+    echo "== warm_start (limit ${left}s)"
+    start_app "$left" warm_start_s > "$OUT/logs/warm_start.log" 2>&1
+    rc=$?
+    printf '%s\t%s\t%s\n' warm_start "$rc" "$((SECONDS - t0))" >> "$STEP_TSV"
+    echo "   rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/logs/warm_start.log")"
+    stop_app
+  else
+    printf '%s\t%s\t%s\n' warm_start 125 0 >> "$STEP_TSV"
+  fi
+else
+  stop_app
+fi
+
+$PY -m load.step_summary "$OUT/logs" "$STEP_TSV" gpu_serve > "$OUT/steps.json"
+status=$?
+mv "$OUT/logs/summary.json" "$OUT/summary.json"
+$PY -m load.gpu_serve report "$OUT" > /dev/null
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+cat "$OUT/steps.json"
+exit $status
