@@ -8,28 +8,46 @@ node; outside Ray (tests, benchmarks) the metrics live in the process registry.
 A cluster of several nodes has one such directory per node, and the gateway reads only its own.
 So each node is also its own scrape target (:func:`serve_node_metrics`): every replica process
 tries to listen on the node's metrics address (``GAPLESS_NODE_METRICS``, default
-``127.0.0.1:9464``); one wins, serves the node's directory with prometheus_client's own
-exporter, and when it dies another replica of the node takes the port over within
-``NODE_RETRY_S``. Prometheus finds the nodes through the file Ray's head writes for it
-(grafana/prometheus.nodes.yml, docs/scaling.md "Metrics on several nodes").
+``127.0.0.1:9464``); one wins, serves the node's directory (:class:`NodeExporter`), and when it
+dies another replica of the node takes the port over within ``NODE_RETRY_S``. Prometheus finds
+the nodes through the file Ray's head writes for it (grafana/prometheus.nodes.yml,
+docs/scaling.md "Metrics on several nodes").
+
+The exporter runs inside a replica process, so no client may hold it: it is the standard
+library's threading HTTP server with prometheus_client's own handler, each connection cut
+``NODE_TIMEOUT_S`` after it was accepted (whatever it sends meanwhile), at most
+``NODE_MAX_THREADS`` connections served at once (one more is closed as it arrives), one request
+per connection. Off loopback every scrape needs ``Authorization: Bearer <token>`` with one of
+the clients' tokens (``$GAPLESS_TOKENS``, read and checked as the gateway reads them; its own
+``/metrics`` takes the same); without a token there it does not listen at all.
 Names are stable: dashboards and alert rules in ``grafana/`` query them.
 """
 from __future__ import annotations
 
+import hmac
+import ipaddress
+import logging
 import os
 import re
+import socket
 import threading
 import time
+from http.server import ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, MetricsHandler, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the gateway
 
+from pipeline.auth import AuthConfig, bearer, load_tokens
 from pipeline.private_dir import ensure_private_dir
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 NODE_METRICS_ENV = "GAPLESS_NODE_METRICS"  # HOST:PORT of this node's scrape target, or "off"
 NODE_METRICS_DEFAULT = "127.0.0.1:9464"
 NODE_RETRY_S = 5.0  # how often a replica that does not hold the node's port tries to take it
+NODE_TOKENS_ENV = "GAPLESS_TOKENS"  # the bearer tokens a scrape must send where the exporter is off loopback
+NODE_TIMEOUT_S = 5.0  # a scrape connection's whole life, from accept to close
+NODE_MAX_THREADS = 4  # scrape connections served at once
+log = logging.getLogger(__name__)
 if os.environ.get(MULTIPROC_ENV):
     os.makedirs(os.environ[MULTIPROC_ENV], exist_ok=True)
 
@@ -131,21 +149,123 @@ def node_metrics_address(value: str | None = None) -> tuple[str, int] | None:
         return None
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{NODE_METRICS_ENV}={value!r}: expected HOST:PORT (e.g. 0.0.0.0:9464) or off")
+        raise ValueError(f"{NODE_METRICS_ENV}={value!r}: expected HOST:PORT (e.g. 127.0.0.1:9464) or off")
     return host.strip("[]"), int(port)
 
 
-def hold_node_port(path: str, address: tuple[str, int], retry_s: float = NODE_RETRY_S) -> None:
+def is_loopback(host: str) -> bool:
+    """Whether a server listening on ``host`` is reachable from this machine only. Anything else
+    (``0.0.0.0``, ``::``, an interface's address, a name other than localhost) counts as open."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exporter_tokens(host: str, environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The bearer tokens a scrape of an exporter on ``host`` must send: none on loopback, else
+    those of ``$GAPLESS_TOKENS`` (as the gateway checks them). ValueError where there is none."""
+    environ = os.environ if environ is None else environ
+    if is_loopback(host):
+        return ()
+    if not environ.get(NODE_TOKENS_ENV, "").strip():
+        raise ValueError(f"${NODE_TOKENS_ENV} holds no token, and off loopback a scrape must send one")
+    return load_tokens(AuthConfig(tokens_env=NODE_TOKENS_ENV), environ)
+
+
+class _ScrapeHandler(MetricsHandler):
+    """prometheus_client's handler (its ``registry``), answering 401 unless the request carries
+    one of ``tokens`` (none: no token needed)."""
+
+    tokens: tuple[str, ...] = ()
+
+    def do_GET(self) -> None:
+        if self.tokens and not _token_ok(bearer({"authorization": self.headers.get("Authorization", "")}),
+                                         self.tokens):
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", "Bearer")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_GET()
+
+
+def _token_ok(given: str | None, tokens: tuple[str, ...]) -> bool:
+    """Constant time in the tokens' content: every one is compared."""
+    matches = [hmac.compare_digest((given or "").encode(), t.encode()) for t in tokens]
+    return given is not None and any(matches)
+
+
+class NodeExporter(ThreadingHTTPServer):
+    """A node's scrape target, listening on ``address`` once constructed (OSError where it cannot:
+    the port is taken). A connection lives at most ``timeout_s``; one arriving while
+    ``max_threads`` are being served is closed at once. Serve with ``serve_forever``."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], registry: CollectorRegistry, tokens: tuple[str, ...] = (),
+                 timeout_s: float = NODE_TIMEOUT_S, max_threads: int = NODE_MAX_THREADS):
+        self.address_family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_threads)
+        handler = type("NodeScrapeHandler", (_ScrapeHandler,),
+                       {"registry": registry, "tokens": tuple(tokens), "timeout": timeout_s})
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):  # every thread busy: refuse rather than queue
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # its thread releases the slot
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        deadline = threading.Timer(self.timeout_s, _cut, (request,))  # socket timeouts bound one read, not all
+        deadline.daemon = True
+        deadline.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            deadline.cancel()
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("node metrics: a scrape from %s failed", client_address, exc_info=True)
+
+
+def _cut(sock: socket.socket) -> None:
+    """Wake whatever reads or writes ``sock`` (it then sees the connection closed)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already
+        pass
+
+
+def hold_node_port(path: str, address: tuple[str, int], retry_s: float = NODE_RETRY_S) -> NodeExporter | None:
     """Serve ``path`` (a node's metrics directory) on ``address`` once this process can listen
-    there: try every ``retry_s`` while another process of the node holds it. Returns once
-    listening (prometheus_client's server thread serves on)."""
+    there: try every ``retry_s`` while another process of the node holds it. Returns the exporter
+    once listening (a daemon thread serves it on), or None without listening where the address
+    is off loopback and no token is set (logged as an error)."""
+    try:
+        tokens = exporter_tokens(address[0])
+    except ValueError as exc:
+        log.error("node metrics: not listening on %s:%d: %s (set %s in the node's environment, or "
+                  "listen on 127.0.0.1)", *address, exc, NODE_TOKENS_ENV)
+        return None
     registry = _node_registry(path)
     while True:
         try:
-            start_http_server(address[1], addr=address[0], registry=registry)
-            return
+            server = NodeExporter(address, registry, tokens)
+            break
         except OSError:  # the port is another replica's (or not ours to take): wait for it
             time.sleep(retry_s)
+    threading.Thread(target=server.serve_forever, name="node-metrics-server", daemon=True).start()
+    return server
 
 
 _node_thread: threading.Thread | None = None

@@ -40,6 +40,9 @@ elif ! $pip install -q --retries 0 --timeout 15 torch==2.13.0 --index-url https:
 fi
 .venv/bin/python -c "import torch; b = f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU'; print(f'torch {torch.__version__}: the {b} build')"
 $pip install -q -e ".[${EXTRAS:-dev}]"
+# Every `serve run` and `ray start` of this venv starts Ray's HTTP proxy with our limits: a .pth
+# file sets RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH unless set (deployments/door_env.py).
+.venv/bin/python -m deployments.door_env install
 # moshi without its declared pins (torch<2.10, numpy<2.3, safetensors<0.8, hub<1.0): its Mimi
 # runs on the newer versions installed above, and its runtime needs are our own dependencies.
 $pip install -q --no-deps "moshi==0.2.13"

@@ -1,0 +1,193 @@
+"""The limits deployments/proxy_limits.py gives Ray Serve's HTTP proxy, on a real uvicorn server
+(in a thread, on a free loopback port, built after configure() as Ray's proxy builds its own): a
+connection whose request head is incomplete is closed at HANDSHAKE_TIMEOUT_S (or past
+MAX_HEAD_BYTES) while complete requests and upgraded WebSockets carry on; the WebSocket limits
+stay. And the .pth of deployments/door_env.py, which gives every interpreter of the environment
+the proxy's callback variable unless it is set."""
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from deployments import door_env, proxy_limits
+from pipeline.protocol import MAX_WS_MESSAGE_BYTES
+
+MARGIN_S = 3.0  # scheduling slack on a loaded 2-core machine
+PARTIAL_UPGRADE = (b"GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                   b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")  # no final CRLF
+UPGRADE = PARTIAL_UPGRADE + b"\r\n"
+GET = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+async def _app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        while (await receive())["type"] != "websocket.disconnect":
+            pass
+
+
+@pytest.fixture
+def configured():
+    """configure() applied to uvicorn.Config, undone afterwards (other tests build their own)."""
+    original = uvicorn.Config.__init__
+    proxy_limits.configure()
+    yield
+    uvicorn.Config.__init__ = original
+
+
+@pytest.fixture
+def server(configured):
+    """A uvicorn server as the proxy runs it (Config defaults from configure()); its port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(_app, lifespan="off", log_config=None, timeout_keep_alive=30))
+    thread = threading.Thread(target=asyncio.run, args=(srv.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)  # poll for the start, under a deadline
+    assert srv.started
+    yield sock.getsockname()[1]
+    srv.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+def _connect(port: int, data: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes ``sock`` within ``seconds`` (anything it sends first is read)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        readable, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
+        if not readable:
+            return False
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except ConnectionResetError:
+            return True
+
+
+def _response(sock: socket.socket) -> bytes:
+    """The status line and headers the server answers on ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+def test_half_sent_heads_are_closed_at_the_timeout_while_complete_requests_are_answered(server, monkeypatch):
+    timeout_s = 0.5
+    monkeypatch.setattr(proxy_limits, "HANDSHAKE_TIMEOUT_S", timeout_s)
+    start = time.monotonic()
+    stalled = [_connect(server, PARTIAL_UPGRADE if i % 2 else b"") for i in range(20)]
+    try:
+        with _connect(server, GET) as ok:
+            assert _response(ok).startswith(b"HTTP/1.1 200")
+        assert all(_closed_within(sock, timeout_s + MARGIN_S) for sock in stalled)
+        assert time.monotonic() - start >= 0.8 * timeout_s  # by the deadline, not at once
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_trickled_head_is_closed_at_the_timeout(server, monkeypatch):
+    """A byte every tenth of the timeout: the deadline counts from the connection, not from the
+    last byte."""
+    timeout_s = 0.5
+    monkeypatch.setattr(proxy_limits, "HANDSHAKE_TIMEOUT_S", timeout_s)
+    start = time.monotonic()
+    with _connect(server, PARTIAL_UPGRADE) as sock:
+        closed = False
+        while not closed and time.monotonic() - start < timeout_s + MARGIN_S:
+            closed = _closed_within(sock, timeout_s / 10)  # the trickle's pace
+            if not closed:
+                sock.sendall(b"X")
+        assert closed
+
+
+def test_a_kept_alive_connection_gets_the_deadline_for_its_next_head(server, monkeypatch):
+    timeout_s = 0.5
+    monkeypatch.setattr(proxy_limits, "HANDSHAKE_TIMEOUT_S", timeout_s)
+    with _connect(server, GET) as sock:
+        assert _response(sock).startswith(b"HTTP/1.1 200")
+        assert not _closed_within(sock, 3 * timeout_s)  # idle keep-alive is uvicorn's (30 s here)
+        sock.sendall(PARTIAL_UPGRADE)
+        assert _closed_within(sock, timeout_s + MARGIN_S)
+
+
+def test_an_oversized_head_is_closed_before_the_timeout(server, monkeypatch):
+    monkeypatch.setattr(proxy_limits, "HANDSHAKE_TIMEOUT_S", 60.0)
+    with _connect(server, PARTIAL_UPGRADE) as sock:
+        try:
+            for i in range(proxy_limits.MAX_HEAD_BYTES // 1000 + 2):
+                sock.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 990))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed while we were still sending
+        assert _closed_within(sock, MARGIN_S)
+
+
+def test_an_upgraded_websocket_outlives_the_head_timeout(server, monkeypatch):
+    timeout_s = 0.5
+    monkeypatch.setattr(proxy_limits, "HANDSHAKE_TIMEOUT_S", timeout_s)
+    with _connect(server, UPGRADE) as sock:
+        assert _response(sock).startswith(b"HTTP/1.1 101")
+        assert not _closed_within(sock, 3 * timeout_s)
+
+
+def test_configure_is_idempotent_and_keeps_the_websocket_limits(configured):
+    assert proxy_limits.configure() == []  # a second call changes nothing:
+    assert not getattr(uvicorn.Config.__init__.__wrapped__, "gapless_limits", False)  # wrapped once
+    cfg = uvicorn.Config(_app)
+    assert (cfg.ws_max_size, cfg.ws_max_queue, cfg.ws_per_message_deflate) == (
+        MAX_WS_MESSAGE_BYTES, proxy_limits.WS_MAX_QUEUE, False)
+    assert issubclass(cfg.http, proxy_limits.HeadDeadline)
+    explicit = uvicorn.Config(_app, ws_max_size=5, http="h11")  # what the caller passes still wins
+    assert (explicit.ws_max_size, explicit.http) == (5, "h11")
+
+
+# --- every interpreter of the environment has the callback variable (deployments/door_env.py) ----
+
+def _callback_var(environ: dict[str, str], flags: str = "", first: str = "pass") -> str:
+    """The variable as a fresh interpreter of this venv sees it (from /, not this checkout)."""
+    code = f"{first}; import os; print(os.environ.get({proxy_limits.ENV!r}))"
+    return subprocess.run([sys.executable, *filter(None, [flags]), "-c", code], env=environ, cwd="/",
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+
+def test_the_environment_sets_the_proxy_callback_unless_set():
+    """This venv's .pth (scripts/install.sh installs it: `python -m deployments.door_env install`)."""
+    environ = {k: v for k, v in os.environ.items() if k != proxy_limits.ENV}
+    assert _callback_var(environ) == proxy_limits.CALLBACK, "run: python -m deployments.door_env install"
+    assert _callback_var({**environ, proxy_limits.ENV: "elsewhere.callback"}) == "elsewhere.callback"
+
+
+def test_door_env_install_writes_an_effective_pth_once(tmp_path):
+    path = door_env.install(tmp_path)
+    assert door_env.install(tmp_path) == path and path.read_text() == door_env.PTH_LINE  # one line, once
+    environ = {k: v for k, v in os.environ.items() if k != proxy_limits.ENV}
+    # -S: not the venv's site-packages (its own .pth); the temporary directory as the one site directory
+    load = f"import site; site.addsitedir({str(tmp_path)!r})"
+    assert _callback_var(environ, "-S", load) == proxy_limits.CALLBACK
+    assert _callback_var({**environ, proxy_limits.ENV: ""}, "-S", load) == ""  # set, even empty: kept
