@@ -5,6 +5,7 @@ import asyncio
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -26,7 +27,7 @@ from deployments.session_store import RaySnapshots
 from pipeline import metrics
 from pipeline import protocol as P
 from pipeline.admission import Gatekeeper, Handshake, Refused
-from pipeline.auth import TICKET_PARAM, AuthConfig, Authenticator, load_tokens
+from pipeline.auth import TICKET_PARAM, AuthConfig, AuthError, Authenticator, load_tokens
 from pipeline.client_limits import ClientLimits
 from pipeline.connection import (ClientGone, Resumption, SessionRegistry, refuse_options, serve_connection,
                                  session_options)
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 # its deployment's graceful_shutdown_timeout_s (serve configs) must exceed both together.
 DRAIN_POLL_S = 0.5
 DRAIN_TIMEOUT_S = 10.0
+HEALTH_TTL_S = 1.0  # /healthz asks the model replicas and Serve's controller at most this often
 # The accepted WebSocket names the gateway replica serving it (which one holds a call, after a resume).
 REPLICA_HEADER = b"x-gapless-replica"
 
@@ -234,12 +236,16 @@ class Gateway:
         api.state.gate = self.gate  # the HTTP routes' Host check (_door)
         if os.environ.get(proxy_limits.ENV) != proxy_limits.CALLBACK:
             log.warning("%s is not %s in the environment Ray started in: the HTTP proxy reads WebSocket "
-                        "messages up to uvicorn's 16 MiB before this gateway can refuse them (start with "
-                        "scripts/serve.sh, or set it for `ray start`)", proxy_limits.ENV, proxy_limits.CALLBACK)
+                        "messages up to uvicorn's 16 MiB before this gateway can refuse them, and holds "
+                        "half-sent request heads (a venv made by scripts/install.sh sets it through a .pth: "
+                        "run `python -m deployments.door_env install`, or export it before `serve run` / "
+                        "`ray start`)", proxy_limits.ENV, proxy_limits.CALLBACK)
         if auth_cfg.mode == "none":
             log.warning("auth mode none: anyone who can reach this server's port can open sessions")
         # The turn-taking models load here, before the replica is ready, not on a first caller.
         warm_listening()
+        self._health: asyncio.Future | None = None  # the last /healthz check (or the one in flight)
+        self._health_at = 0.0
         self._app_name = serve.get_replica_context().app_name
         self._replica_tag = serve.get_replica_context().replica_tag.encode()
 
@@ -248,14 +254,21 @@ class Gateway:
         """200 while every model deployment serves: a ``ready`` call to it answers, and Serve's
         controller reports it HEALTHY (every replica it should have is running; a replica that
         died and is being replaced makes it UNHEALTHY or UPDATING). 503 otherwise: before the
-        models are warm, and during an outage."""
+        models are warm, and during an outage. Checked at most once every HEALTH_TTL_S: callers
+        meanwhile share the last check (or the one in flight), so no rate of calls fans out."""
+        if self._health is None or time.monotonic() - self._health_at >= HEALTH_TTL_S:
+            self._health, self._health_at = asyncio.ensure_future(self._check_health()), time.monotonic()
+        body = await asyncio.shield(self._health)
+        return JSONResponse(body, status_code=200 if body["ok"] else 503)
+
+    async def _check_health(self) -> dict:
         names = list(self.handles)
         calls = [asyncio.wait_for(self.handles[n].ready.remote(), timeout=2.0) for n in names]
         results, states = await asyncio.gather(asyncio.gather(*calls, return_exceptions=True),
                                                self._serve_states())
         ready = {n: (r is True) for n, r in zip(names, results)}
         ok = all(ready.values()) and all(states.get(n, {}).get("status") == "HEALTHY" for n in names)
-        return JSONResponse({"ok": ok, "deployments": ready, "serve": states}, status_code=200 if ok else 503)
+        return {"ok": ok, "deployments": ready, "serve": states}
 
     async def _serve_states(self) -> dict[str, dict]:
         """Each model deployment's status and replica states from Serve's controller; {} when it
@@ -319,13 +332,18 @@ class Gateway:
         hs = Handshake(dict(ws.headers), dict(ws.query_params), self.gate.auth.address_of(ws))
         try:
             admission = self.gate.admit(hs)
-            await self._claim_ticket(hs, admission)
         except Refused as refused:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             await _deny(ws, refused)
             return
-        self._watch_for_drain()
-        try:
+        try:  # from here on the place is given back however the connection ends, refused or not
+            try:
+                await self._claim_ticket(hs)
+            except Refused as refused:
+                metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
+                await _deny(ws, refused)
+                return
+            self._watch_for_drain()
             await ws.accept(headers=[(REPLICA_HEADER, self._replica_tag)])
             await serve(hs, WebSocketConnection(ws))
         finally:
@@ -359,22 +377,23 @@ class Gateway:
                 log.info("replica %s drained (%d sessions left)", me, left)
                 return
 
-    async def _claim_ticket(self, hs: Handshake, admission) -> None:
+    async def _claim_ticket(self, hs: Handshake) -> None:
         """A ticket admitted here is also claimed in the shared ledger, so it opens one connection
         across all gateway replicas, not one on each (its signature and age were checked by admit).
         Used elsewhere: 401; the ledger unreachable: 503 (tickets fail closed; tokens go on)."""
         ticket = hs.query.get(TICKET_PARAM)
         if self.tickets is None or ticket is None or self.gate.auth.open:
             return
-        nonce, until = self.gate.auth.verify(ticket)
+        try:  # a bearer token may have admitted the handshake: its ticket is checked all the same
+            nonce, until = self.gate.auth.verify(ticket)
+        except AuthError as exc:
+            raise Refused("unauthorized", str(exc)) from None
         try:
             first = await asyncio.wait_for(self.tickets.claim.remote(nonce, until), timeout=2.0)
         except Exception:  # noqa: BLE001 - the ledger's replica is gone or busy
-            admission.release()
             raise Refused("server_busy", "tickets cannot be checked right now; try again shortly, "
                                          "or connect with the bearer token") from None
         if not first:
-            admission.release()
             raise Refused("unauthorized", "the ticket was already used; each ticket opens one connection")
 
     @api.websocket("/v1/conversation")

@@ -34,8 +34,11 @@ class RaySnapshots:
     async def put(self, session_id: str, generation: int, principal: str, digest: str, blob: bytes) -> bool:
         return await self.handle.put.remote(session_id, generation, principal, digest, blob)
 
-    async def touch(self, session_ids: list[str]) -> list[str]:
-        return await self.handle.touch.remote(session_ids)
+    async def touch(self, session_ids: list[str], generations: list[int] | None = None) -> list[str]:
+        return await self.handle.touch.remote(session_ids, generations)
+
+    async def held_generation(self, session_id: str) -> int | None:
+        return await self.handle.held_generation.remote(session_id)
 
     async def take(self, token: str, principal: str) -> tuple[bytes, int]:
         blob, answer = await self.handle.take.remote(token, principal)

@@ -9,6 +9,7 @@ sampling, the TTS replica's default voice.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Collection
 
@@ -22,6 +23,8 @@ MAX_OUTPUT_TOKENS = 4096
 MAX_VOICE_CLIP_S = 10.0  # a session's own reference clip
 MAX_VOICE_CLIP_TEXT = 1_000
 MAX_TOOLS = 64
+MAX_TOOLS_CHARS = 32_000  # the tools as JSON, together: they are templated into every prompt
+MAX_SCHEMA_DEPTH = 10  # nesting of a tool's parameters (objects and arrays within each other)
 MODALITIES = (("audio",), ("text",))  # a reply always has text; "audio" adds its speech
 TOOL_CHOICES = ("auto", "none", "required")
 DEFAULT_VOICE = "default"
@@ -144,11 +147,29 @@ def _modalities(name: str, value: Any, _voices) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _depth(value: Any) -> int:
+    """How deeply lists and dicts nest in ``value`` (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, level = todo.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def _tools(name: str, value: Any, _voices) -> tuple[dict, ...]:
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)) or len(value) > MAX_TOOLS:
         raise BadSetting(name, f"{name} must be a list of at most {MAX_TOOLS} function tools")
+    depth = _depth(value)
+    if depth > MAX_SCHEMA_DEPTH + 3:  # the list, a tool, its parameters: then the schema's own nesting
+        raise BadSetting(name, f"{name}: a tool's parameters nest {depth - 3} levels deep; at most {MAX_SCHEMA_DEPTH}")
+    size = len(json.dumps(value))
+    if size > MAX_TOOLS_CHARS:
+        raise BadSetting(name, f"{name} are {size} characters of JSON together; at most {MAX_TOOLS_CHARS}")
     for i, tool in enumerate(value):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
             raise BadSetting(f"{name}[{i}]", f"{name}[{i}] must be a function tool ({{\"type\": \"function\", ...}})")

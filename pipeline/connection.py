@@ -38,7 +38,7 @@ class SessionRegistry:
 
     def __init__(self, max_sessions: int, on_count: Callable[[int], None] | None = None):
         self.max_sessions = max_sessions
-        self._sessions: dict[str, Session] = {}
+        self._sessions: set[Session] = set()  # by identity: a resumed session shares its id with the one it replaces
         self._on_count = on_count
         self._emptied = asyncio.Event()
         self.draining = False  # set by drain(): every session is asked to leave, new ones are refused
@@ -46,19 +46,26 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __iter__(self):
+        return iter(list(self._sessions))
+
     @property
     def full(self) -> bool:
         return len(self._sessions) >= self.max_sessions
 
     def add(self, session: Session) -> None:
+        """Hold ``session``; a session of the same id still here (a resume of a live connection) is
+        told to leave: the newer connection wins. Both count until the older one has gone."""
         if self.full:
             raise RuntimeError(f"session registry is full ({self.max_sessions})")
-        self._sessions[session.id] = session
+        for older in [s for s in self._sessions if s.id == session.id]:
+            older.replaced()
+        self._sessions.add(session)
         self._changed()
 
     def remove(self, session: Session) -> None:
-        if self._sessions.get(session.id) is session:
-            del self._sessions[session.id]
+        if session in self._sessions:
+            self._sessions.discard(session)
             self._changed()
 
     def _changed(self) -> None:
@@ -72,7 +79,7 @@ class SessionRegistry:
         elsewhere, ``going_away``, and closed with 1012); wait up to ``timeout_s`` for them to go.
         Returns how many were still here at the end."""
         self.draining = True
-        for session in list(self._sessions.values()):
+        for session in list(self._sessions):
             session.leaving.set()
         if self._sessions:
             self._emptied.clear()
@@ -161,8 +168,13 @@ async def _take_snapshot(conn: Connection, resumption: Resumption, session_class
 
 async def _leave(conn: Connection, session: Session, keeper: Keeper | None) -> None:
     """The replica drains: the reply stops at a chunk, the conversation is saved as the client
-    has it, the client is told to resume elsewhere (``going_away``), and the socket closes 1012."""
+    has it, the client is told to resume elsewhere (``going_away``), and the socket closes 1012.
+    Or a newer connection resumed the session: this one is told so and closed with 4001."""
     await session.core.stop_replying()
+    if session.replaced_by_resume:
+        await _close_quietly(conn, session, P.E_SESSION_REPLACED, "a newer connection resumed this session; "
+                             "this one is closed", P.CLOSE_SESSION_REPLACED, "session resumed elsewhere")
+        return
     if keeper is not None:
         await keeper.finish()
     await session.going_away(keeper.token if keeper else None, "server_shutdown")

@@ -36,11 +36,11 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from pipeline.agent import DEFAULT_VOICE, AgentSettings
-from pipeline.audio_allowance import AudioAllowance
+from pipeline.allowance import Allowance
 from pipeline.calls import CANCELLED as CALL_CANCELLED, TIMED_OUT, ToolCalls
 from pipeline.engines import Backends, EngineUnavailable, ToolCall, Voice, bounded
 from pipeline.hearing import E_ENGINE_UNAVAILABLE, INPUT_RATE, Recogniser, UserTurn
-from pipeline.history import SAMPLE_RATE as REPLY_RATE, History, Item, new_id
+from pipeline.history import MAX_ITEM_CHARS, SAMPLE_RATE as REPLY_RATE, History, Item, item_chars, new_id
 from pipeline.listening import Listener
 from pipeline.reply import CANCELLED, Reply
 from pipeline.resume import Snapshot
@@ -54,6 +54,17 @@ log = logging.getLogger(__name__)
 # Error codes the core raises (protocol adapters map them onto their wire's errors).
 E_TURN_TOO_LONG = "turn_too_long"
 E_AUDIO_TOO_FAST = "audio_too_fast"
+E_ITEM_TOO_LARGE = "item_too_large"
+E_RATE_LIMITED = "rate_limited"
+
+
+class Refusal(Exception):
+    """A client's input that the conversation's limits refuse, with nothing changed: the adapter
+    tells its client (``code``, ``message``, and the field at fault where the protocol names one)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
 
 
 class ConversationEvents(Protocol):
@@ -99,7 +110,8 @@ class Conversation:
         self.eot_probabilities: list[float] = []  # Smart Turn's last verdicts (at most 100), for tests and tools
         self._max_turn_samples = max(1, int(self.cfg.max_turn_s * INPUT_RATE))
         self._last_activity_at = clock()  # last frame either way (the idle clock)
-        self.allowance = AudioAllowance(self.cfg.max_audio_rate, self.cfg.audio_burst_s, clock)
+        self.allowance = Allowance(self.cfg.max_audio_rate, self.cfg.audio_burst_s, clock)  # audio seconds
+        self.reply_allowance = Allowance(self.cfg.max_replies_per_minute / 60, self.cfg.replies_burst, clock)
         # Set whenever what a resumed conversation would start from changed (pipeline/keeper.py)
         self.state_changed = asyncio.Event()
         self.history = History(max_chars=self.cfg.max_history_chars, on_change=self._changed)
@@ -245,26 +257,48 @@ class Conversation:
     async def user_text(self, text: str, respond: bool = True, overrides: dict[str, Any] | None = None,
                         after: str | None = None) -> Item:
         """A typed user turn. Spoken audio in flight becomes its own turn first."""
+        self._pay_for_reply()
         return await self._end_turn(typed_text=text, by="typed", respond=respond, overrides=overrides, after=after)
 
     async def add_item(self, item: Item, after: str | None = None) -> Item:
-        """An item the client adds to the history as it is (no turn, no reply)."""
+        """An item the client adds to the history as it is (no turn, no reply); at most
+        MAX_ITEM_CHARS of text, name and arguments (Refusal item_too_large)."""
+        if item_chars(item) > MAX_ITEM_CHARS:
+            raise Refusal(E_ITEM_TOO_LARGE, f"an item holds at most {MAX_ITEM_CHARS} characters of text, name and "
+                                            f"arguments; this one has {item_chars(item)}", "item")
         return self.history.add(item, after)
 
     async def add_user_audio(self, pcm: np.ndarray, after: str | None = None) -> Item:
         """A user message the client gives as audio (16 kHz int16): recognised whole on a stream of
         its own (a spoken turn may be open beside it) and added to the history; no turn, no reply.
-        Raises EngineUnavailable (no free slot included) with nothing added."""
+        It pays for its audio as microphone audio does (Refusal audio_too_fast), and is at most
+        max_turn_s long (Refusal turn_too_long). Raises EngineUnavailable (no free slot included)
+        with nothing added."""
+        seconds = len(pcm) / INPUT_RATE
+        if seconds > self.cfg.max_turn_s:
+            raise Refusal(E_TURN_TOO_LONG, f"an item's audio lasts at most {self.cfg.max_turn_s:g} s (max_turn_s); "
+                                           f"this one lasts {seconds:.1f} s", "item.content")
+        if not self.allowance.take(seconds):
+            raise Refusal(E_AUDIO_TOO_FAST, f"audio is arriving faster than {self.cfg.max_audio_rate:g}x real time "
+                                            "(items and microphone together); this item is refused", "item.content")
         text = await self.recogniser.transcribe(pcm, f"{self.id}:item")
         item = self.history.add(Item("user", text.strip(), audio=True), after)
         if item.text and len(pcm):
-            self._encoding = asyncio.create_task(self._encode_user_turn(item.text, pcm))
+            self._encode_later(item.text, pcm)
         return item
 
     async def respond(self, overrides: dict[str, Any] | None = None) -> Reply:
         """Start a reply to the conversation so far (Realtime ``response.create``); the caller
-        makes sure none is running."""
+        makes sure none is running. Replies asked for are rate-limited (Refusal rate_limited)."""
+        self._pay_for_reply()
         return await self._start_reply(self.clock(), overrides or {})
+
+    def _pay_for_reply(self) -> None:
+        """A reply the client asks for (a typed turn, response.create) pays from the reply allowance."""
+        if not self.reply_allowance.take(1):
+            raise Refusal(E_RATE_LIMITED, f"at most {self.cfg.max_replies_per_minute} replies a minute are asked for "
+                                          f"(typed turns and response.create; {self.cfg.replies_burst} at once): this "
+                                          "one is refused")
 
     async def stop_replying(self) -> None:
         """The connection is about to end (a draining replica): the reply being sent ends at the
@@ -483,7 +517,7 @@ class Conversation:
         if item.text:
             self.history.add(item, after)
             if user_audio is not None:  # encoded once, beside the LLM's first tokens, for the TTS context
-                self._encoding = asyncio.create_task(self._encode_user_turn(item.text, user_audio))
+                self._encode_later(item.text, user_audio)
         await self.events.turn_ended(self.turn, item, text, words)
         if self.cfg.on_turn:
             self.cfg.on_turn()
@@ -494,6 +528,18 @@ class Conversation:
         else:
             await self._drop_speculation(MISS)
         return item
+
+    def _encode_later(self, text: str, pcm: np.ndarray) -> None:
+        """Encode a user turn's audio for the TTS context after the encodes before it: one at a time
+        per conversation, and cancelling the last (as close() does) cancels those it waits on."""
+        before = self._encoding
+
+        async def in_turn() -> None:
+            if before is not None:  # gather: this task's cancellation cancels the one it waits on
+                await asyncio.gather(before, return_exceptions=True)
+            await self._encode_user_turn(text, pcm)
+
+        self._encoding = asyncio.create_task(in_turn())
 
     async def _encode_user_turn(self, text: str, pcm: np.ndarray) -> None:
         try:
@@ -769,6 +815,13 @@ class WireSession:
 
     core: Conversation
     resumable = False  # whether its wire lets a dropped connection resume (pipeline/keeper.py)
+    leaving: asyncio.Event  # set to make the connection end the session between frames (pipeline/connection.py)
+    replaced_by_resume = False
+
+    def replaced(self) -> None:
+        """A newer connection resumed this session: this one leaves (the newer one wins)."""
+        self.replaced_by_resume = True
+        self.leaving.set()
 
     def in_flight(self):
         """The reply being sent, as the wire counted its audio messages (resumable adapters)."""

@@ -5,9 +5,12 @@ where it likes, delete them, and truncate an assistant item to the audio it actu
 (the Realtime protocol's ``conversation.item.*``); an assistant item remembers where each of its
 clauses began in its audio, and the TTS context segment made from its codes, for that.
 The history is bounded as it grows (the LLM sees only its token budget anyway, and the whole
-history goes with every LLM call): once it holds more than ``max_chars`` characters, or more than
-``max_items`` items, the oldest whole user turns go, each with the replies, function calls and
-outputs that follow it; the latest user turn always stays. A call and its output leave together.
+history goes with every LLM call): once it holds more than ``max_chars`` characters (of every
+kind of item: messages' text, calls' names and arguments, outputs), or more than ``max_items``
+items, the oldest whole user turns go, each with the replies, function calls and outputs that
+follow it; with one user turn left, its oldest items go, all but the user's message and the item
+just added (items a client adds are at most ``MAX_ITEM_CHARS``, so this bounds what a session holds).
+A call and its output leave together.
 A running total keeps that O(1) amortised per item added. A dropped item is unknown from then on
 (:class:`UnknownItem`), as if deleted.
 """
@@ -23,6 +26,8 @@ import numpy as np
 from pipeline.tts.prompt import Segment
 
 ROLES = ("user", "assistant")
+# One item a client adds: its text, name and arguments together (as long as a session's instructions).
+MAX_ITEM_CHARS = 16_000
 SAMPLE_RATE = 24_000  # reply audio
 FRAME_SIZE = 1920  # samples of one Mimi frame (80 ms): the unit of the TTS context codes
 
@@ -122,7 +127,7 @@ class History:
         else:
             self.items.insert(self.items.index(self.get(after)) + 1, item)
         self._count(item)
-        self._bound()
+        self._bound(item)
         self._changed()
         return item
 
@@ -159,29 +164,34 @@ class History:
     def _over(self) -> bool:
         return len(self.items) > self.max_items or (self.max_chars is not None and self.chars > self.max_chars)
 
-    def _bound(self) -> None:
-        """Drop the oldest whole user turns while over a limit. Each item scanned here leaves, so
+    def _bound(self, newest: Item) -> None:
+        """Drop the oldest whole user turns while over a limit; with one user turn left, its oldest
+        items but the user's message and ``newest`` (replies, calls and outputs a client added after
+        it), so the history stays within max_chars plus two items. Each item scanned here leaves, so
         the cost is O(1) amortised per item added."""
         while self._over():
             # The oldest turn ends where the next user message begins (one exists when a user
             # message other than the first item does): never the latest user turn.
             if self._users - _is_user(self.items[0]) > 0:
                 cut = next(i for i in range(1, len(self.items)) if _is_user(self.items[i]))
-            elif len(self.items) > self.max_items:  # one user turn of too many items: its oldest go
-                cut = len(self.items) - self.max_items
+                self._drop(self.items[:cut])
             else:
-                return  # the latest user turn alone is over max_chars: it stays
-            self._drop(cut)
+                oldest = next((item for item in self.items if not _is_user(item) and item is not newest), None)
+                if oldest is None:
+                    return  # the latest user message and the newest item alone are over max_chars: they stay
+                self._drop([oldest])
 
-    def _drop(self, cut: int) -> None:
-        """Drop the first ``cut`` items, and any call or output elsewhere whose partner left
-        with them (a call never stays without its output, nor an output without its call)."""
-        gone = self.items[:cut]
-        del self.items[:cut]
+    def _drop(self, gone: list[Item]) -> None:
+        """Drop ``gone`` (the oldest items, or one of them), and any call or output elsewhere whose
+        partner left with them (a call never stays without its output, nor an output without its call)."""
+        if gone == self.items[:len(gone)]:
+            del self.items[:len(gone)]
+        else:
+            self.items.remove(gone[0])
         for item in gone:
             self._uncount(item)
         orphans = {item.call_id for item in gone if item.call_id is not None and item.call_id in self._calls}
-        if orphans:  # only where a client put a call and its output in different turns
+        if orphans:
             kept = []
             for item in self.items:
                 if item.call_id in orphans:

@@ -62,13 +62,15 @@ class Keeper:
             try:
                 await asyncio.wait_for(changed.wait(), timeout=self.continuity.window_s / 3)
             except asyncio.TimeoutError:
-                if await self._call(self.continuity.snapshots.touch([self.session.id])):
-                    changed.set()  # the store does not know it (a new store replica): put it again
+                if await self._call(self.continuity.snapshots.touch([self.session.id], [self.generation])):
+                    changed.set()  # unknown to the store (a new store replica), or resumed elsewhere: put
                 continue
             if self._finished:
                 return
             changed.clear()
-            await self.save()
+            if await self.save() is False and await self._resumed_elsewhere():
+                self.session.replaced()  # a newer connection resumed this session: this one leaves
+                return
 
     async def save(self, in_flight=None) -> bool | None:
         """Put the conversation as it is now: True if the store took it, False if it refused it (a
@@ -76,6 +78,10 @@ class Keeper:
         blob = self.session.core.snapshot(in_flight).dumps()
         return await self._call(self.continuity.snapshots.put(self.session.id, self.generation, self.principal,
                                                               self._digest, blob))
+
+    async def _resumed_elsewhere(self) -> bool:
+        held = await self._call(self.continuity.snapshots.held_generation(self.session.id))
+        return held is not None and held > self.generation
 
     async def finish(self) -> None:
         """The connection ended: the last snapshot, with the reply that was in flight (once)."""

@@ -51,12 +51,16 @@ E_INTERNAL = "internal"                # a server fault while handling this sess
 E_BAD_OPTION = "bad_option"            # a session option in the URL query is unknown or bad; closed (1008)
 E_BAD_SETTING = "bad_setting"          # a session.update / response setting is unknown or bad; nothing changes
 E_TOOL_RESULT_TOO_LARGE = "tool_result_too_large"  # a tool.result's output over 16 KiB; the call stays pending
+E_SESSION_REPLACED = "session_replaced"  # a newer connection resumed this session; this one is closed (4001)
+E_RATE_LIMITED = "rate_limited"        # typed turns faster than max_replies_per_minute; the turn is refused
+E_ITEM_TOO_LARGE = "item_too_large"    # an item over MAX_ITEM_CHARS (Realtime's conversation.item.create)
 E_RESUME_REFUSED = "resume_refused"    # ?resume= with a token that resumes nothing (expired, used, forged); closed (1008)
 
 CLOSE_NORMAL = 1000
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_POLICY_VIOLATION = 1008
+CLOSE_SESSION_REPLACED = 4001  # the session was resumed by a newer connection: do not reconnect
 CLOSE_SERVICE_RESTART = 1012  # a draining gateway replica: resume elsewhere (going_away came first)
 
 

@@ -19,7 +19,8 @@ later, is refused, and the session it replaced can no longer overwrite the snaps
 session gets a new token for the next drop.
 
 :class:`SnapshotStore` is the store's logic, framework-free and bounded: at most ``max_entries``
-sessions and ``max_bytes`` of snapshots (the oldest to be touched go first), each entry forgotten
+sessions and ``max_bytes`` of snapshots (the principal holding the most loses its oldest to be touched
+first), each entry forgotten
 ``window_s`` after its session was last seen alive. ``deployments/session_store.py`` serves one
 to every gateway replica.
 """
@@ -30,7 +31,7 @@ import hmac
 import pickle
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -130,6 +131,7 @@ class SnapshotStore:
         self.max_entries, self.max_bytes, self.max_snapshot_bytes = max_entries, max_bytes, max_snapshot_bytes
         self.clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently touched first
+        self._held: Counter[str] = Counter()  # entries per principal (whose are evicted first)
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -146,23 +148,32 @@ class SnapshotStore:
         if len(blob) > self.max_snapshot_bytes:
             return False
         self.bytes += len(blob) - (len(entry.blob) if entry is not None else 0)
+        if entry is not None:
+            self._held[entry.principal] -= 1
+        self._held[principal] += 1
         self._entries[session_id] = _Entry(generation, principal, digest, blob, self.clock())
         self._entries.move_to_end(session_id)
         self._bound()
         return True
 
-    def touch(self, session_ids: list[str]) -> list[str]:
+    def touch(self, session_ids: list[str], generations: list[int] | None = None) -> list[str]:
         """These sessions are alive: their window starts again. Returns those it does not hold (a
-        replaced store: their gateways put them again)."""
+        replaced store: their gateways put them again), and, given each one's generation, those a
+        resume has taken past it (their puts will be refused: the session was replaced)."""
         now, unknown = self.clock(), []
-        for sid in session_ids:
+        for i, sid in enumerate(session_ids):
             entry = self._entries.get(sid)
-            if entry is None:
+            if entry is None or (generations is not None and entry.generation > generations[i]):
                 unknown.append(sid)
                 continue
             entry.alive_at = now
             self._entries.move_to_end(sid)
         return unknown
+
+    def held_generation(self, session_id: str) -> int | None:
+        """The generation the store holds for a session (a resume raises it), None if it holds none."""
+        entry = self._entries.get(session_id)
+        return entry.generation if entry is not None else None
 
     def take(self, token: str, principal: str) -> tuple[bytes, int]:
         """Resume: the session's snapshot and the generation the resumed session holds, or
@@ -191,18 +202,26 @@ class SnapshotStore:
             self._drop(sid)
 
     def _bound(self) -> None:
+        """Over a bound, the least recently alive snapshot of the principal holding the most goes:
+        one client filling the store evicts its own sessions, not everyone else's."""
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+            most = max(self._held, key=self._held.__getitem__)
+            self._drop(next(sid for sid, e in self._entries.items() if e.principal == most))
 
     def _drop(self, session_id: str) -> None:
-        self.bytes -= len(self._entries.pop(session_id).blob)
+        entry = self._entries.pop(session_id)
+        self.bytes -= len(entry.blob)
+        self._held[entry.principal] -= 1
+        if not self._held[entry.principal]:
+            del self._held[entry.principal]
 
 
 class Snapshots(Protocol):
     """A :class:`SnapshotStore` as a session reaches it (in this process, or a Serve deployment)."""
 
     async def put(self, session_id: str, generation: int, principal: str, digest: str, blob: bytes) -> bool: ...
-    async def touch(self, session_ids: list[str]) -> list[str]: ...
+    async def touch(self, session_ids: list[str], generations: list[int] | None = None) -> list[str]: ...
+    async def held_generation(self, session_id: str) -> int | None: ...
     async def take(self, token: str, principal: str) -> tuple[bytes, int]: ...
 
 
@@ -215,8 +234,11 @@ class LocalSnapshots:
     async def put(self, session_id: str, generation: int, principal: str, digest: str, blob: bytes) -> bool:
         return self.store.put(session_id, generation, principal, digest, blob)
 
-    async def touch(self, session_ids: list[str]) -> list[str]:
-        return self.store.touch(session_ids)
+    async def touch(self, session_ids: list[str], generations: list[int] | None = None) -> list[str]:
+        return self.store.touch(session_ids, generations)
+
+    async def held_generation(self, session_id: str) -> int | None:
+        return self.store.held_generation(session_id)
 
     async def take(self, token: str, principal: str) -> tuple[bytes, int]:
         return self.store.take(token, principal)

@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline import protocol as P
 from pipeline.agent import DEFAULT_VOICE, MAX_VOICE_CLIP_S, BadSetting
-from pipeline.conversation import Conversation, WireSession
+from pipeline.conversation import Conversation, Refusal, WireSession
 from pipeline.calls import ToolResultError
 from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, ToolCall, UnknownStream
 from pipeline.history import Item
@@ -132,6 +132,8 @@ class Session(WireSession):
             if self.cfg.on_error:
                 self.cfg.on_error(P.E_BAD_SETTING)
             await self.send(P.error(P.E_BAD_SETTING, exc.message, V1_NAMES.get(exc.param, exc.param)))
+        except Refusal as exc:  # the core's limits: a typed turn over the reply rate
+            await self.core.error(exc.code, exc.message)
 
     def _checked(self, overrides: dict | None) -> dict | None:
         """A turn's reply settings, checked now (BadSetting before the turn ends, not after)."""

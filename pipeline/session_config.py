@@ -72,9 +72,14 @@ class SessionConfig:
     max_turn_s: float = 60.0
     # Microphone audio faster than max_audio_rate times real time, sustained, is dropped and the
     # client told audio_too_fast (once per episode); audio_burst_s of it may come at once (a
-    # recorded turn sent whole), pipeline/audio_allowance.py.
+    # recorded turn sent whole), pipeline/allowance.py.
     max_audio_rate: float = 2.0
     audio_burst_s: float = 60.0
+    # Replies a client asks for (typed turns, Realtime response.create): at most this many a minute,
+    # sustained, replies_burst at once; one over gets rate_limited and is not started (each runs
+    # the LLM, and a forced tool call builds its grammar). Spoken turns are bounded by the audio.
+    max_replies_per_minute: int = 60
+    replies_burst: int = 10
     # Sessions per gateway replica; a connection over the cap gets server_busy (close 1013).
     max_sessions: int = 64
     # A v1 session whose connection dropped (or whose gateway replica drained) may be resumed this
@@ -106,7 +111,8 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s", "tool_timeout_s",
-                     "max_sessions_per_client", "handshakes_per_minute", "max_audio_rate", "audio_burst_s"):
+                     "max_sessions_per_client", "handshakes_per_minute", "max_audio_rate", "audio_burst_s",
+                     "max_replies_per_minute", "replies_burst"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if isinstance(self.max_history_chars, bool) or not isinstance(self.max_history_chars, int) \

@@ -163,7 +163,9 @@ class Quiet:
 
 
 def _quiet_cfg(**settings) -> SessionConfig:
-    # no VAD and no Smart Turn (no models), audio as fast as it is made
+    # no VAD and no Smart Turn (no models), audio as fast as it is made, and typed turns as fast as
+    # the test sends them (the reply rate has its own test: tests/test_door_limits.py)
+    settings.setdefault("replies_burst", 1_000)
     return SessionConfig(turn_detection="manual", barge_in="off", vad_events=False, pace_lead_s=None, **settings)
 
 

@@ -133,7 +133,7 @@ class Replica:
         return conn
 
     def session(self):
-        return next(iter(self.registry._sessions.values()))
+        return next(iter(self.registry))
 
 
 async def _ready(conn) -> dict:
@@ -264,7 +264,7 @@ def test_a_draining_replica_sends_its_sessions_to_resume_elsewhere(engines):
             c.inbox.put_nowait(P.client_text("Tell me a long story about ships."))
         for c in conns:
             await c.rec.wait(lambda m: m["type"] == "audio", timeout=60)
-        drained = list(one.registry._sessions.values())
+        drained = list(one.registry)
         left = await one.registry.drain(timeout_s=10)
         for c in conns:
             await asyncio.wait_for(c.served, 10)
@@ -274,7 +274,7 @@ def test_a_draining_replica_sends_its_sessions_to_resume_elsewhere(engines):
             last = _audio(c, 1)[-1]
             again = two.connect({"resume": away["resume_token"], "resume_turn": "1", "resume_seq": str(last["seq"])})
             resumed.append((await _ready(again), again))
-        histories = {s.id: [(i.role, i.text) for i in s.core.history.items] for s in two.registry._sessions.values()}
+        histories = {s.id: [(i.role, i.text) for i in s.core.history.items] for s in two.registry}
         had = {s.id: [(i.role, i.text) for i in s.core.history.items] for s in drained}
         for _, again in resumed:
             again.leave()

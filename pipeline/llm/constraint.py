@@ -11,9 +11,35 @@ reading the sampled token, which the matcher then consumes).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
+
+
+# Tighter than llguidance's defaults (250,000 lexer states, 500,000 grammar symbols, 1,000,000 of
+# initial lexer fuel): a session's tools (at most 32,000 characters, pipeline/agent.py) compile far
+# within these, and a grammar past them fails in milliseconds instead of holding the LLM's thread.
+LIMITS = llguidance.LLParserLimits(max_lexer_states=20_000, max_grammar_size=50_000, initial_lexer_fuel=200_000,
+                                   step_lexer_fuel=100_000, step_max_items=20_000)
+TEMPLATES = 32  # compiled grammars kept (a session's tools are the same every turn)
+_templates: OrderedDict[tuple["llguidance.LLTokenizer", str], "llguidance.LLMatcher"] = OrderedDict()
+
+
+def matcher_for(tokenizer: "llguidance.LLTokenizer", grammar: str) -> "llguidance.LLMatcher":
+    """A fresh matcher of ``grammar``: a copy of the one compiled for it before (least recently used
+    of TEMPLATES go), so a session's forced calls compile their tools' grammar once."""
+    key = (tokenizer, grammar)  # the tokenizer itself: its id could be another's once it is freed
+    template = _templates.pop(key, None)
+    if template is None:
+        template = llguidance.LLMatcher(tokenizer, grammar, limits=LIMITS)
+        if template.is_error():
+            raise ValueError(f"tool call grammar: {template.get_error()}")
+    _templates[key] = template
+    while len(_templates) > TEMPLATES:
+        _templates.popitem(last=False)
+    return template.deep_copy()
 
 
 class CallConstraint:
@@ -27,9 +53,7 @@ class CallConstraint:
 
     def __init__(self, tokenizer: "llguidance.LLTokenizer", grammar: str, closers: np.ndarray | None = None,
                  wind_down_after: int | None = None):
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
-        if self.matcher.is_error():
-            raise ValueError(f"tool call grammar: {self.matcher.get_error()}")
+        self.matcher = matcher_for(tokenizer, grammar)
         self._bitmask = llg_numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
         self._closers, self._wind_down_after = closers, wind_down_after
         self.steps = 0  # tokens accepted so far

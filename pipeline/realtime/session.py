@@ -26,10 +26,11 @@ import numpy as np
 
 from pipeline.agent import DEFAULT_VOICE, MAX_VOICE_CLIP_S, MAX_VOICE_CLIP_TEXT, BadSetting
 from pipeline.audio_formats import ENGINE_INPUT_RATE, Decoder, Encoder
-from pipeline.conversation import Conversation, WireSession
+from pipeline.conversation import Conversation, Refusal, WireSession
 from pipeline.calls import ToolResultError
 from pipeline.engines import Backends, EngineUnavailable, ToolCall
 from pipeline.history import Item, UnknownItem, new_id
+from pipeline.protocol import MAX_WS_MESSAGE_BYTES
 from pipeline.realtime import events as E
 from pipeline.realtime import settings as S
 from pipeline.reply import CANCELLED, COMPLETED, FAILED, INCOMPLETE, Reply
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 # One input_audio_buffer.append's audio (base64): what fits in the proxy's largest message (OpenAI
 # allows 15 MiB; 240 KiB of base64 is 3.7 s of 24 kHz audio, far above what clients send at once).
 MAX_APPEND_CHARS = 240 * 1024
+# A client event's JSON text: the door's largest message for the events that carry audio (an append,
+# an item of input_audio, a session's voice clip), 64 KiB (v1's largest frame) for every other.
+MAX_EVENT_CHARS = 64 * 1024
+AUDIO_EVENTS = ("input_audio_buffer.append", "conversation.item.create", "session.update")
 PIECE = ENGINE_INPUT_RATE  # engine-rate samples handed to the core at a time (1 s, as v1's frames)
 # AgentSettings fields -> where they live in the Realtime session object (for errors' ``param``)
 AGENT_PARAMS = {"instructions": "session.instructions", "voice": "session.audio.output.voice",
@@ -131,6 +136,7 @@ class RealtimeSession(WireSession):
         try:
             event = self._parse(frame)
             self._client_event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+            self._check_size(event, frame)
             handler = self.HANDLERS.get(event["type"])
             if handler is None:
                 raise ClientEventError("unknown_event", f"unknown or unsupported client event type {event['type']!r}")
@@ -141,6 +147,8 @@ class RealtimeSession(WireSession):
             await self._refuse("invalid_value", exc.message,
                                AGENT_PARAMS.get(exc.param, exc.param if exc.param.startswith(("session", "response"))
                                                 else f"session.{exc.param}"))
+        except Refusal as exc:  # the core's limits (item size, audio allowance, response rate)
+            await self._refuse(exc.code, exc.message, exc.param)
         finally:
             self._client_event_id = None
 
@@ -149,13 +157,25 @@ class RealtimeSession(WireSession):
         if not isinstance(frame, str):
             raise ClientEventError("invalid_json", "send JSON text frames (this endpoint speaks the Realtime "
                                                    "protocol; binary msgpack is /v1/conversation's)")
+        if len(frame) > MAX_WS_MESSAGE_BYTES:
+            raise ClientEventError("event_too_large", f"a client event is at most {MAX_WS_MESSAGE_BYTES} "
+                                                      f"characters; got {len(frame)}")
         try:
             event = json.loads(frame)
+        except RecursionError:
+            raise ClientEventError("invalid_json", "the frame's JSON is nested too deeply") from None
         except ValueError as exc:
             raise ClientEventError("invalid_json", f"the frame is not JSON: {exc}") from None
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise ClientEventError("invalid_event", "a client event is a JSON object with a string \"type\"")
         return event
+
+    @staticmethod
+    def _check_size(event: dict, frame: str) -> None:
+        limit = MAX_WS_MESSAGE_BYTES if event["type"] in AUDIO_EVENTS else MAX_EVENT_CHARS
+        if len(frame) > limit:
+            raise ClientEventError("event_too_large", f"a {event['type']} event is at most {limit} characters; "
+                                                      f"got {len(frame)}")
 
     async def _refuse(self, code: str, message: str, param: str | None = None) -> None:
         if self.cfg.on_error:
@@ -166,8 +186,10 @@ class RealtimeSession(WireSession):
         update = _object(event, "session")
         if self.beta:
             update = S.from_beta(update)
+        update = S.known(update)
         clip = ((update.get("audio") or {}).get("output") or {}).pop("voice_clip", None)
         merged = S.deep_merge(self.session, update)
+        S.check_size(merged)
         terms = self._check(merged)
         reference = await self._encode_clip(clip) if clip is not None else None
         self.session, self.terms = merged, terms
@@ -199,7 +221,11 @@ class RealtimeSession(WireSession):
             raise ClientEventError("invalid_value", f"{param} needs audio (base64 pcm16 24 kHz) and its transcript", param)
         if len(clip["transcript"]) > MAX_VOICE_CLIP_TEXT:
             raise ClientEventError("invalid_value", f"{param}.transcript is over {MAX_VOICE_CLIP_TEXT} characters", param)
-        pcm = np.frombuffer(_base64(clip.get("audio"), f"{param}.audio"), dtype="<i2").astype(np.int16)
+        data = _base64(clip.get("audio"), f"{param}.audio")
+        if len(data) % 2:
+            raise ClientEventError("invalid_value", f"{param}.audio is pcm16: an even number of bytes, got "
+                                                    f"{len(data)}", param)
+        pcm = np.frombuffer(data, dtype="<i2").astype(np.int16)
         if not len(pcm) or len(pcm) > MAX_VOICE_CLIP_S * 24_000:
             raise ClientEventError("invalid_value", f"{param}.audio must hold up to {MAX_VOICE_CLIP_S:g} s of pcm16 "
                                                     "at 24 kHz", param)
@@ -258,8 +284,12 @@ class RealtimeSession(WireSession):
             raise ClientEventError("invalid_value", "item.content must be a non-empty list of content parts", "item.content")
         kinds = {p.get("type") for p in content}
         if role == "user" and kinds == {"input_audio"}:
-            pcm = np.concatenate([Decoder(self.terms.input_format).decode(_base64(p.get("audio"), "item.content.audio"))
-                                  for p in content])
+            try:
+                pcm = np.concatenate([Decoder(self.terms.input_format).decode(_base64(p.get("audio"),
+                                                                                      "item.content.audio"))
+                                      for p in content])
+            except ValueError as exc:
+                raise ClientEventError("invalid_value", str(exc), "item.content.audio") from None
             try:
                 added = await self.core.add_user_audio(pcm, after)
             except EngineUnavailable as exc:

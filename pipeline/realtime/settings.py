@@ -15,12 +15,14 @@ refused whole:
   ``audio/pcma`` (8 kHz).
 - ``instructions``, ``audio.output.voice``, ``output_modalities``, ``max_output_tokens``,
   ``tools``, ``tool_choice`` and our extension ``temperature``: the agent's settings.
-Everything else of OpenAI's session (model, tracing, truncation, noise_reduction, prompt, ...) is
-kept and echoed, and changes nothing here.
+The rest of OpenAI's session (model, tracing, truncation, noise_reduction, prompt, ...) is kept and
+echoed, and changes nothing here. Keys that are not part of a session are dropped (:func:`known`),
+and the session object a client builds up is at most ``MAX_SESSION_CHARS`` of JSON.
 """
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,36 @@ EAGERNESS = {"low": (0.7, 3000.0), "medium": (0.5, 1500.0), "auto": (0.5, 1500.0
 # Beta (OpenAI-Beta: realtime=v1) flat session fields -> their GA place
 BETA_FORMATS = {"pcm16": {"type": "audio/pcm", "rate": 24000}, "g711_ulaw": {"type": "audio/pcmu"},
                 "g711_alaw": {"type": "audio/pcma"}}
+
+
+# The session object's size as JSON, tools included (a voice clip's audio is not kept in it).
+MAX_SESSION_CHARS = 64 * 1024
+# The keys a session object has (initial() holds them all), and those of its audio sides; any
+# other key of a session.update is dropped, so an update costs what a session is, not what was sent.
+SESSION_KEYS = frozenset({"type", "object", "id", "model", "output_modalities", "instructions", "audio", "tools",
+                          "tool_choice", "max_output_tokens", "temperature", "tool_filler", "tool_filler_after_ms",
+                          "tracing", "truncation", "prompt", "include", "expires_at"})
+AUDIO_KEYS = {"input": frozenset({"format", "transcription", "noise_reduction", "turn_detection"}),
+              "output": frozenset({"format", "voice", "speed", "voice_clip"})}
+
+
+def known(update: dict) -> dict:
+    """``update`` without the keys no session has (at the top, and in ``audio.input``/``output``)."""
+    out = {k: v for k, v in update.items() if k in SESSION_KEYS}
+    audio = out.get("audio")
+    if isinstance(audio, dict):
+        out["audio"] = {side: ({k: v for k, v in value.items() if k in AUDIO_KEYS[side]}
+                               if isinstance(value, dict) else value)
+                        for side, value in audio.items() if side in AUDIO_KEYS}
+    return out
+
+
+def check_size(session: dict) -> None:
+    """Raises BadSetting when the session object is over MAX_SESSION_CHARS of JSON."""
+    size = len(json.dumps(session))
+    if size > MAX_SESSION_CHARS:
+        raise BadSetting("session", f"the session object would be {size} characters of JSON; at most "
+                                    f"{MAX_SESSION_CHARS} (instructions, tools and the rest together)")
 
 
 @dataclass(frozen=True)

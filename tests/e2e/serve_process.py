@@ -60,9 +60,10 @@ class ServeProcess:
             raise RuntimeError(f"something already answers on port {PORT}; stop it first")
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
-        # the proxy's WebSocket limits, as scripts/serve.sh sets them (deployments/proxy_limits.py)
-        env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1",
-                   RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH="deployments.proxy_limits.configure", **self.env)
+        # Plain `serve run`, as a user runs it: the proxy's limits (deployments/proxy_limits.py) come
+        # from the environment's .pth (scripts/install.sh), so this process's own setting is not passed on.
+        env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", **self.env)
+        env.pop("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", None)
         serve = str(Path(sys.executable).parent / "serve")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(

@@ -112,6 +112,18 @@ def test_a_ticket_opens_one_connection(auth_server):
     assert (status, body["code"]) == (401, "unauthorized")
 
 
+def test_a_bearer_token_with_a_bad_ticket_gives_its_place_back(auth_server):
+    """A handshake with a good token and a bad ticket is refused (401) and frees its place: more of
+    them than the client's cap, then a plain handshake from the same address is still admitted
+    (the place leaked before: 429 too_many_sessions until the server restarted)."""
+    addr, auth = "127.0.0.27", {"Authorization": f"Bearer {auth_server.token}"}
+    bad = f"wss://127.0.0.1:{PORT}/v1/conversation?turn_detection=manual&ticket=not.a.real.ticket"
+    refused = [run(handshake(addr, auth, url=bad)) for _ in range(MAX_SESSIONS_PER_CLIENT + 1)]
+    assert [(status, body["code"]) for status, body in refused] == [(401, "unauthorized")] * len(refused)
+    status, ready = run(handshake(addr, auth))
+    assert (status, ready["type"]) == (101, "session.ready")
+
+
 def test_a_foreign_origin_is_refused(auth_server):
     addr, auth = "127.0.0.14", {"Authorization": f"Bearer {auth_server.token}"}
     status, body = run(handshake(addr, {**auth, "Origin": "https://evil.example"}))
