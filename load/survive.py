@@ -57,14 +57,15 @@ async def _resumed(convs: list[Conversation], count: int, timeout_s: float) -> N
 
 
 def changed_config(path: Path, deployment: str = "Gateway") -> Path:
-    """``path`` with ``deployment``'s CPU share a tenth smaller, written beside it."""
+    """``path`` with ``deployment``'s CPU share a tenth smaller, written into out/ (not the tree)."""
     cfg = yaml.safe_load(path.read_text())
     for app in cfg["applications"]:
         for d in app.get("deployments", []):
             if d["name"] == deployment:
                 opts = d.setdefault("ray_actor_options", {})
                 opts["num_cpus"] = round(float(opts.get("num_cpus", 0.2)) * 0.9, 4)
-    out = path.with_name(path.stem + ".changed.yaml")
+    out = Path("out") / (path.stem + ".changed.yaml")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
 
