@@ -88,7 +88,7 @@ $PY -m load.gpu_serve config "$CONFIG" $([ $DRY = 1 ] && echo --dry-run)
 TOKEN=$($PY -c 'import secrets; print(secrets.token_urlsafe(32))')
 export GAPLESS_TOKENS=$TOKEN GAPLESS_TOKEN=$TOKEN
 SERVE_PID=""
-start_app() {  # start_app FACT: serve run in its own process group; FACT gets the seconds to /healthz 200
+start_app() {  # start_app LIMIT_S FACT: serve run in its own process group; FACT gets the seconds to /healthz 200
   setsid "$BIN/serve" run "$CONFIG" >> "$OUT/logs/serve.log" 2>&1 &
   SERVE_PID=$!
   disown "$SERVE_PID"  # stopped by its process group, not waited for by this shell
@@ -104,14 +104,18 @@ stop_app() {
   SERVE_PID=""
 }
 trap 'stop_app; exit 130' INT TERM
+start_step() {  # start_step NAME LIMIT_S: start_app as a step, in this shell (its pid is the app's)
+  local t0=$SECONDS rc
+  echo "== $1 (limit ${2}s): serve run $CONFIG"
+  start_app "$2" "${1}_s" > "$OUT/logs/$1.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\n' "$1" "$rc" "$((SECONDS - t0))" >> "$STEP_TSV"
+  echo "   rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/logs/$1.log")"
+  return $rc
+}
 fact gpu_memory_before_mib "$(gpu_mem || echo null)"
-# The start runs in this shell (its pid is the app's), with the step's bookkeeping done by hand.
-t0=$SECONDS
-echo "== cold_start (limit ${COLD_S}s): serve run $CONFIG"
-start_app "$COLD_S" cold_start_s > "$OUT/logs/cold_start.log" 2>&1
+start_step cold_start "$COLD_S"
 rc=$?
-printf '%s\t%s\t%s\n' cold_start "$rc" "$((SECONDS - t0))" >> "$STEP_TSV"
-echo "   rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/logs/cold_start.log")"
 fact gpu_memory_healthy_mib "$(gpu_mem || echo null)"
 
 if [ $rc = 0 ]; then
@@ -135,12 +139,7 @@ if [ $rc = 0 ]; then
   stop_app
   left=$((T_END - SECONDS))
   if [ $left -ge 60 ]; then
-    t0=$SECONDS
-    echo "== warm_start (limit ${left}s)"
-    start_app "$left" warm_start_s > "$OUT/logs/warm_start.log" 2>&1
-    rc=$?
-    printf '%s\t%s\t%s\n' warm_start "$rc" "$((SECONDS - t0))" >> "$STEP_TSV"
-    echo "   rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/logs/warm_start.log")"
+    start_step warm_start "$left"
     stop_app
   else
     printf '%s\t%s\t%s\n' warm_start 125 0 >> "$STEP_TSV"
