@@ -45,7 +45,8 @@ fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0
 export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy_limits.configure  # as scripts/serve.sh
 [ -d "$CARRY/speech" ] && export GAPLESS_SPEECH_DIR=$PWD/$CARRY/speech  # no espeak-ng on the GPU machine
-rm -rf "$OUT"
+mkdir -p "$OUT"
+find "$OUT" -mindepth 1 -delete  # a fresh run (the folder itself stays: a device call's $OUT is handed to us)
 mkdir -p "$OUT/logs"
 STEP_LOGS="$OUT/logs" STEP_TSV="$OUT/steps.tsv"
 : > "$STEP_TSV"
