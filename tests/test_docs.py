@@ -1,0 +1,126 @@
+"""The docs name what exists. In README.md, docs/*.md and deploy/kuberay/README.md, a name in
+backticks that is:
+
+- a file or folder of this repository (a span ending in a file extension, or whose first part is one
+  of the repository's top-level folders) exists: from the repository's root, from the doc's own
+  folder, or, a bare file name, somewhere in the tree;
+- a module or attribute of the project (``pipeline.*``, ``load.*``, ``deployments.*``, and every
+  ``python -m X`` of the docs' commands) imports and resolves;
+- a setting (``session.X``, ``stt.X``, ``tts.X``, ``llm.X``, ``auth.X``) is a field of that config;
+  ``session.X`` may also be a key of the Realtime session object or a session event (``ready``,
+  ``update``, ``updated``, ``created``).
+
+The exceptions, each with its reason, are below. Anything under ``out/`` is what a command writes
+when it runs, so it is not checked."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.auth import AuthConfig
+from pipeline.llm.config import LLMConfig
+from pipeline.realtime.settings import SESSION_KEYS
+from pipeline.session_config import SessionConfig
+from pipeline.stt.config import STTConfig
+from pipeline.tts.config import TTSConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "kuberay" / "README.md"]
+EXTENSIONS = ("py", "sh", "yaml", "yml", "md", "json", "png", "wav", "txt", "toml", "html", "js", "tsv")
+# Files named in the docs that are not this repository's, or exist only once a command has run.
+NOT_OURS = {
+    "cache_aware_rnnt.yaml": "NeMo's own pipeline config (docs/stt.md compares against it)",
+    "summary.json": "written by the GPU scripts into their output folder",
+    "tables.md": "written by load/gpu_serve.sh into its output folder",
+    "facts.tsv": "written by load/gpu_serve.sh into its output folder",
+    "modules/streaming.py": "moshi's (the style model named in the docs)",
+    "dist.umd/msgpack.min.js": "the file of the @msgpack/msgpack npm package that web/vendor/ holds",
+}
+SESSION_EVENTS = {"ready", "update", "updated", "created"}
+SETTINGS = {"session": SessionConfig, "stt": STTConfig, "tts": TTSConfig, "llm": LLMConfig, "auth": AuthConfig}
+
+
+def _spans(doc: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def _commands(doc: Path) -> list[str]:
+    return re.findall(r"python -m ([\w.]+)", doc.read_text())
+
+
+def _tracked() -> list[str]:
+    return subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+
+
+TOP = {p.split("/")[0] for p in _tracked() if "/" in p}
+
+
+def _is_path(span: str) -> bool:
+    if not re.fullmatch(r"[\w./-]+", span) or span.startswith("out/"):
+        return False
+    return span.rsplit(".", 1)[-1] in EXTENSIONS or span.split("/")[0] in TOP and "/" in span
+
+
+def _exists(span: str, doc: Path, names: set[str]) -> bool:
+    span = span.rstrip("/")
+    return (ROOT / span).exists() or (doc.parent / span).exists() or ("/" not in span and span in names)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_named_files_exist(doc):
+    names = {Path(p).name for p in _tracked()}
+    missing = sorted({s for s in _spans(doc) if _is_path(s) and s not in NOT_OURS and not _exists(s, doc, names)})
+    assert not missing, f"{doc.name} names files that do not exist: {missing}"
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[i:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_named_modules_and_commands_resolve(doc):
+    dotted = {s for s in _spans(doc) if re.fullmatch(r"(pipeline|load|deployments)(\.\w+)+", s)}
+    dotted |= {c for c in _commands(doc) if c.split(".")[0] in ("pipeline", "load", "deployments")}
+    unresolved = sorted(d for d in dotted if not _resolves(d))
+    assert not unresolved, f"{doc.name} names modules or attributes that do not exist: {unresolved}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_named_settings_exist(doc):
+    fields = {k: {f.name for f in dataclasses.fields(c)} for k, c in SETTINGS.items()}
+    unknown = []
+    for span in _spans(doc):
+        m = re.fullmatch(r"(session|stt|tts|llm|auth)\.(\w+)(?:[:=].*)?", span)
+        if not m or m.group(2) in ("py",):
+            continue
+        kind, name = m.groups()
+        if name in fields[kind] or kind == "session" and (name in SESSION_KEYS or name in SESSION_EVENTS):
+            continue
+        unknown.append(span)
+    assert not unknown, f"{doc.name} names settings that do not exist: {sorted(set(unknown))}"
+
+
+def test_the_check_catches_a_missing_name(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("See `pipeline/nothing_here.py`, `load.no_such_tool` and `session.no_such_setting`.")
+    assert _is_path("pipeline/nothing_here.py") and not _exists("pipeline/nothing_here.py", doc, set())
+    assert not _resolves("load.no_such_tool") and _resolves("load.gaps.SPOKEN")
+    assert "no_such_setting" not in {f.name for f in dataclasses.fields(SessionConfig)}
