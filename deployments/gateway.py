@@ -34,9 +34,9 @@ from pipeline.connection import (ClientGone, Resumption, SessionRegistry, refuse
 from pipeline.keeper import Continuity
 from pipeline.listening import warm_listening
 from pipeline.realtime.session import RealtimeSession
-from pipeline.engines import USER_RATE, Backends, EngineUnavailable, LLMFinish, NoFreeSlot, ToolCall, Voice
+from pipeline.engines import (USER_RATE, Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Segment, ToolCall,
+                              Voice)
 from pipeline.session_config import SessionConfig
-from pipeline.tts.prompt import Segment
 
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None, openapi_url=None)
 log = logging.getLogger(__name__)

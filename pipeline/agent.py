@@ -15,8 +15,7 @@ from typing import Any, Collection
 
 import jsonschema
 
-from pipeline.engines import LLMOptions, Voice
-from pipeline.tts.prompt import Segment
+from pipeline.engines import LLMOptions, Segment, Voice
 
 MAX_INSTRUCTIONS_CHARS = 16_000
 MAX_OUTPUT_TOKENS = 4096

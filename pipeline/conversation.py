@@ -38,7 +38,7 @@ import numpy as np
 from pipeline.agent import DEFAULT_VOICE, AgentSettings
 from pipeline.allowance import Allowance
 from pipeline.calls import CANCELLED as CALL_CANCELLED, TIMED_OUT, ToolCalls
-from pipeline.engines import Backends, EngineUnavailable, ToolCall, Voice, bounded
+from pipeline.engines import BOT_SPEAKER, USER_SPEAKER, Backends, EngineUnavailable, Segment, ToolCall, Voice, bounded
 from pipeline.hearing import E_ENGINE_UNAVAILABLE, INPUT_RATE, Recogniser, UserTurn
 from pipeline.history import MAX_ITEM_CHARS, SAMPLE_RATE as REPLY_RATE, History, Item, item_chars, new_id
 from pipeline.listening import Listener
@@ -46,7 +46,6 @@ from pipeline.reply import CANCELLED, Reply
 from pipeline.resume import Snapshot
 from pipeline.session_config import SessionConfig
 from pipeline.speculation import CANCELLED as SPECULATION_CANCELLED, HIT, MISS, Speculation
-from pipeline.tts.prompt import BOT_SPEAKER, USER_SPEAKER, Segment
 from pipeline.vad import SAMPLE_RATE as VAD_RATE, VADEvent
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,22 @@ from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
 
 import numpy as np
 
-from pipeline.tts.prompt import Segment
+# Speaker ids of a session's context: the bot's turns (the TTS gives them the voice's speaker id) and
+# the user's turns.
+BOT_SPEAKER = 0
+USER_SPEAKER = 1
+
+
+@dataclass(eq=False)
+class Segment:
+    """One conversation turn of the TTS's context: ``codes`` are its Mimi frames [T, 32] (user audio
+    encoded once, bot turns reuse the codes they were generated from: never re-encode generated
+    audio). Segments compare by identity: the same turn, not equal codes. Part of the engine
+    contract: the conversation builds them, the TTS (pipeline/tts/prompt.py) reads them."""
+
+    speaker: int
+    text: str
+    codes: np.ndarray
 
 USER_RATE = 16_000  # the recogniser's (and the gateway's) sample rate
 T = TypeVar("T")

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.tts.prompt import Segment
+from pipeline.engines import Segment
 
 ROLES = ("user", "assistant")
 # One item a client adds: its text, name and arguments together (as long as a session's instructions).

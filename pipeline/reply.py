@@ -18,11 +18,10 @@ import numpy as np
 
 from pipeline.agent import AgentSettings
 from pipeline.clauses import ClauseSplitter
-from pipeline.engines import (Backends, ClientGone, EngineBusy, EngineUnavailable, LLMFinish, ToolCall, Voice,
-                              bounded_stream)
+from pipeline.engines import (BOT_SPEAKER, Backends, ClientGone, EngineBusy, EngineUnavailable, LLMFinish, Segment,
+                              ToolCall, Voice, bounded_stream)
 from pipeline.history import new_id
 from pipeline.session_config import SessionConfig
-from pipeline.tts.prompt import BOT_SPEAKER, Segment
 
 log = logging.getLogger(__name__)
 OUTPUT_RATE = 24_000

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from pipeline.agent import AgentSettings
+from pipeline.engines import Segment
 from pipeline.history import Item
-from pipeline.tts.prompt import Segment
 
 RESUME_PARAM = "resume"  # the token, in the reconnecting handshake's query
 RECEIVED_TURN_PARAM = "resume_turn"  # the turn of the last ``audio`` message the client received

@@ -16,9 +16,8 @@ import numpy as np
 
 from pipeline import metrics
 from pipeline.runtime import InferenceThread
-from pipeline.engines import USER_RATE, Backends, LLMFinish, NoFreeSlot, ToolCall, UnknownStream, Voice
+from pipeline.engines import USER_RATE, Backends, LLMFinish, NoFreeSlot, Segment, ToolCall, UnknownStream, Voice
 from pipeline.llm.tool_calls import ToolCallParser
-from pipeline.tts.prompt import Segment
 
 if TYPE_CHECKING:
     from pipeline.stt.engine import STTEvent

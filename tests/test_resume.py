@@ -17,7 +17,7 @@ from pipeline.services import LocalBackends
 from pipeline.session_config import SessionConfig as _SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
-from pipeline.tts.prompt import BOT_SPEAKER
+from pipeline.engines import BOT_SPEAKER
 from tests.test_session import FakeConnection, SpyBackends, _done, _fresh
 
 FRAME = 1920  # 24 kHz samples of one Mimi frame (80 ms): the unit of the TTS context codes

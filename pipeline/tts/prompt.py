@@ -7,26 +7,11 @@ speak is text only, and generation continues from its last row.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from pipeline.engines import BOT_SPEAKER, USER_SPEAKER, Segment  # noqa: F401 - the contract's, used here
+
 NUM_CODEBOOKS = 32
-# Speaker ids of a session's context: the bot's turns (the TTS gives them the voice's speaker id) and
-# the user's turns.
-BOT_SPEAKER = 0
-USER_SPEAKER = 1
-
-
-@dataclass(eq=False)
-class Segment:
-    """One conversation turn: ``codes`` are its Mimi frames [T, 32] (user audio encoded once,
-    bot turns reuse the codes they were generated from: never re-encode generated audio).
-    Segments compare by identity: the same turn, not equal codes."""
-
-    speaker: int
-    text: str
-    codes: np.ndarray
 
 
 class PromptBuilder:
