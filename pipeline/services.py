@@ -75,8 +75,6 @@ class STTService:
 
     async def open(self, sid: str) -> str | None:
         """Take a slot for a spoken turn; returns None, or the reason it could not."""
-        from pipeline.stt.engine import NoFreeSlotError
-
         if sid in self._outbox:
             await self.close(sid)
         # Noted before the engine call: an open whose caller gave up (cancelled midway, after the
@@ -86,7 +84,7 @@ class STTService:
             try:
                 await self.thread.run(self.engine.open, sid)
                 break
-            except NoFreeSlotError as exc:
+            except NoFreeSlot as exc:
                 if retry or not await self._close_stale():
                     self._last_call.pop(sid, None)
                     return str(exc)
@@ -160,13 +158,11 @@ class STTService:
         """The transcript and words ``finish`` would give now, while the stream stays open for more
         audio: the stream is copied into a spare slot (STTEngine.fork), which is ended and freed.
         None when no slot is spare (nothing else changes)."""
-        from pipeline.stt.engine import NoFreeSlotError
-
         self._known(sid)
         fork = f"{sid}#peek"
         try:
             await self.thread.run(self.engine.fork, sid, fork)
-        except NoFreeSlotError:
+        except NoFreeSlot:
             return None
         self._outbox[fork] = []
         try:

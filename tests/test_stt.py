@@ -8,7 +8,7 @@ import torch
 from pipeline.audio import formant_speech
 from pipeline.stt.calibration import set_blank_bias
 from pipeline.stt.config import STTConfig
-from pipeline.stt.engine import NoFreeSlotError, STTEngine
+from pipeline.stt.engine import NoFreeSlot, STTEngine
 from pipeline.stt.model import build_tiny_model
 from pipeline.stt.reference import offline_tokens
 
@@ -231,7 +231,7 @@ def test_slot_exhaustion_and_close(tiny):
     engine = _engine(tiny, num_slots=2)
     engine.open("a")
     engine.open("b")
-    with pytest.raises(NoFreeSlotError, match="2 STT slots"):
+    with pytest.raises(NoFreeSlot, match="2 STT slots"):
         engine.open("c")
     engine.feed("a", np.zeros(5000, np.float32))
     engine.close("a")  # no finish: a disconnect
@@ -610,6 +610,6 @@ def test_a_fork_ends_as_the_stream_would_and_leaves_it_untouched(tiny, cut):
 def test_a_fork_needs_a_free_slot(tiny):
     engine = _engine(tiny, num_slots=1)
     engine.open("s")
-    with pytest.raises(NoFreeSlotError):
+    with pytest.raises(NoFreeSlot):
         engine.fork("s", "copy")
     assert engine.active_streams == ["s"]

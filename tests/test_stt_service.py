@@ -10,7 +10,7 @@ import pytest
 from pipeline import services as services_module
 from pipeline.services import STTService
 from pipeline.session import UnknownStream
-from pipeline.stt.engine import NoFreeSlotError, STTEvent
+from pipeline.stt.engine import NoFreeSlot, STTEvent
 
 
 class StubEngine:
@@ -32,7 +32,7 @@ class StubEngine:
         if sid in self._fed:
             raise ValueError(f"{sid} is already open")
         if len(self._fed) >= self.num_slots:
-            raise NoFreeSlotError("full")
+            raise NoFreeSlot("full")
         self._fed[sid] = False
 
     def close(self, sid: str) -> None:

@@ -1,5 +1,5 @@
 """Streaming speech recognition: cache-aware FastConformer RNNT with continuous batching."""
 from pipeline.stt.config import STTConfig
-from pipeline.stt.engine import NoFreeSlotError, STTEngine, STTEvent
+from pipeline.stt.engine import NoFreeSlot, STTEngine, STTEvent
 
-__all__ = ["STTConfig", "STTEngine", "STTEvent", "NoFreeSlotError"]
+__all__ = ["STTConfig", "STTEngine", "STTEvent", "NoFreeSlot"]

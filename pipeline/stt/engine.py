@@ -17,15 +17,12 @@ import torch
 
 from pipeline.stt.config import STTConfig
 from pipeline.stt.decoding import PredictionStep, frame_loop_decode_chunk, label_loop_decode_chunk
+from pipeline.engines import NoFreeSlot
 from pipeline.stt.encoder import KVCacheLayersStep, NemoLayersStep
 from pipeline.stt.features import ChunkFeatures
 from pipeline.stt.subsampling import CausalDwStriding
 
 _CTX_FRAMES = 2  # mel frames of left audio context per chunk (window 512 > hop 160 * 2 + 1 pre-emphasis sample)
-
-
-class NoFreeSlotError(RuntimeError):
-    """All recogniser slots are taken."""
 
 
 @dataclass
@@ -196,7 +193,7 @@ class STTEngine:
         if stream_id in self._streams:
             raise ValueError(f"STT stream {stream_id!r} is already open")
         if not self._free:
-            raise NoFreeSlotError(
+            raise NoFreeSlot(
                 f"all {self.num_slots} STT slots are in use; close a stream or raise STTConfig.num_slots"
             )
         slot = self._free.pop(0)
@@ -208,12 +205,12 @@ class STTEngine:
         """Open ``fork_id`` as a copy of ``stream_id`` as it is now, in a free slot: its device
         state (the rows ``_reset_slots`` covers) and its host bookkeeping. Ending the copy gives
         the transcript the stream would end with now, while the stream itself goes on untouched.
-        Raises NoFreeSlotError with no slot free."""
+        Raises NoFreeSlot with no slot free."""
         src = self._get(stream_id)
         if fork_id in self._streams:
             raise ValueError(f"STT stream {fork_id!r} is already open")
         if not self._free:
-            raise NoFreeSlotError(f"all {self.num_slots} STT slots are in use: no slot to copy a stream into")
+            raise NoFreeSlot(f"all {self.num_slots} STT slots are in use: no slot to copy a stream into")
         slot = self._free.pop(0)
         s, d = self._index([src.slot]), self._index([slot])
         for cache in self.caches:
