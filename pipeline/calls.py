@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pipeline.engines import ToolCall
+from pipeline.errors import E_TOOL_RESULT_TOO_LARGE
 
 MAX_RESULT_BYTES = 16 * 1024  # a tool's output, UTF-8
 ANSWERED, CANCELLED, TIMED_OUT = "answered", "cancelled", "timed out"
@@ -57,7 +58,7 @@ class ToolCalls:
         """Take a result: the pending call it answers, or None for a call the conversation has but
         does not wait on (one the client added itself: ``known``). Raises ToolResultError."""
         if len(output.encode()) > MAX_RESULT_BYTES:
-            raise ToolResultError("tool_result_too_large", f"a tool's output is at most {MAX_RESULT_BYTES} bytes "
+            raise ToolResultError(E_TOOL_RESULT_TOO_LARGE, f"a tool's output is at most {MAX_RESULT_BYTES} bytes "
                                                            f"(UTF-8); this one has {len(output.encode())}")
         pending = self.pending.pop(call_id, None)
         if pending is not None:

@@ -39,7 +39,8 @@ from pipeline.agent import DEFAULT_VOICE, AgentSettings
 from pipeline.allowance import Allowance
 from pipeline.calls import CANCELLED as CALL_CANCELLED, TIMED_OUT, ToolCalls
 from pipeline.engines import BOT_SPEAKER, USER_SPEAKER, Backends, EngineUnavailable, Segment, ToolCall, Voice, bounded
-from pipeline.hearing import E_ENGINE_UNAVAILABLE, INPUT_RATE, Recogniser, UserTurn
+from pipeline.errors import E_AUDIO_TOO_FAST, E_ENGINE_UNAVAILABLE, E_ITEM_TOO_LARGE, E_RATE_LIMITED, E_TURN_TOO_LONG
+from pipeline.hearing import INPUT_RATE, Recogniser, UserTurn
 from pipeline.history import MAX_ITEM_CHARS, SAMPLE_RATE as REPLY_RATE, History, Item, item_chars, new_id
 from pipeline.listening import Listener
 from pipeline.reply import CANCELLED, Reply
@@ -50,11 +51,6 @@ from pipeline.vad import SAMPLE_RATE as VAD_RATE, VADEvent
 
 log = logging.getLogger(__name__)
 
-# Error codes the core raises (protocol adapters map them onto their wire's errors).
-E_TURN_TOO_LONG = "turn_too_long"
-E_AUDIO_TOO_FAST = "audio_too_fast"
-E_ITEM_TOO_LARGE = "item_too_large"
-E_RATE_LIMITED = "rate_limited"
 
 
 class Refusal(Exception):

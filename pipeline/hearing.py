@@ -18,14 +18,13 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, UnknownStream, bounded
+from pipeline.errors import E_ENGINE_UNAVAILABLE, E_NO_FREE_SLOT
 from pipeline.history import new_id
 from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
 
 INPUT_RATE = 16_000
-E_NO_FREE_SLOT = "no_free_slot"
-E_ENGINE_UNAVAILABLE = "engine_unavailable"
 
 
 @dataclass

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from pipeline.errors import (  # noqa: F401 - the conversation's codes, as v1 sends them (P.E_...)
+    E_AUDIO_TOO_FAST, E_BAD_OPTION, E_BAD_SETTING, E_ENGINE_UNAVAILABLE, E_IDLE_TIMEOUT, E_INTERNAL, E_ITEM_TOO_LARGE,
+    E_NO_FREE_SLOT, E_RATE_LIMITED, E_RESUME_REFUSED, E_SERVER_BUSY, E_SESSION_REPLACED, E_TOOL_RESULT_TOO_LARGE,
+    E_TURN_TOO_LONG)
+
 PROTOCOL_VERSION = 1
 INPUT_SAMPLE_RATE = 16_000
 OUTPUT_SAMPLE_RATE = 24_000
@@ -31,7 +36,8 @@ MAX_FRAME_BYTES = 64 * 1024
 # before the message is read: deployments/proxy_limits.py).
 MAX_WS_MESSAGE_BYTES = 256 * 1024
 
-# Stable error codes (docs/protocol.md lists them with their meaning).
+# Stable error codes (docs/protocol.md lists them with their meaning): the conversation's come from
+# the one catalogue (pipeline/errors.py, imported above); these are v1's framing's own.
 E_TEXT_FRAME = "text_frame"            # a text WebSocket frame; the protocol is binary msgpack
 E_FRAME_TOO_LARGE = "frame_too_large"  # a frame over MAX_FRAME_BYTES
 E_BAD_MSGPACK = "bad_msgpack"          # the frame is not one msgpack object
@@ -41,20 +47,6 @@ E_WRONG_TYPE = "wrong_type"            # a field has the wrong type
 E_UNKNOWN_TYPE = "unknown_type"        # ``type`` names no client message
 E_BAD_AUDIO = "bad_audio"              # pcm is empty, odd-length, or longer than 1 s
 E_TEXT_TOO_LONG = "text_too_long"      # a text turn over MAX_TEXT_CHARS
-E_NO_FREE_SLOT = "no_free_slot"        # the recogniser is full: this spoken turn is dropped; the session stays open
-E_TURN_TOO_LONG = "turn_too_long"      # a spoken turn reached max_turn_s; it ends as if turn.end had arrived
-E_IDLE_TIMEOUT = "idle_timeout"        # nothing sent either way for idle_timeout_s; the session is closed (1000)
-E_SERVER_BUSY = "server_busy"          # the gateway holds max_sessions sessions; refused before session.ready (1013)
-E_ENGINE_UNAVAILABLE = "engine_unavailable"  # a model replica failed or did not answer in time; the session stays open
-E_AUDIO_TOO_FAST = "audio_too_fast"    # microphone audio over max_audio_rate x real time, sustained: dropped, told once
-E_INTERNAL = "internal"                # a server fault while handling this session
-E_BAD_OPTION = "bad_option"            # a session option in the URL query is unknown or bad; closed (1008)
-E_BAD_SETTING = "bad_setting"          # a session.update / response setting is unknown or bad; nothing changes
-E_TOOL_RESULT_TOO_LARGE = "tool_result_too_large"  # a tool.result's output over 16 KiB; the call stays pending
-E_SESSION_REPLACED = "session_replaced"  # a newer connection resumed this session; this one is closed (4001)
-E_RATE_LIMITED = "rate_limited"        # typed turns faster than max_replies_per_minute; the turn is refused
-E_ITEM_TOO_LARGE = "item_too_large"    # an item over MAX_ITEM_CHARS (Realtime's conversation.item.create)
-E_RESUME_REFUSED = "resume_refused"    # ?resume= with a token that resumes nothing (expired, used, forged); closed (1008)
 
 CLOSE_NORMAL = 1000
 CLOSE_TRY_AGAIN_LATER = 1013

@@ -20,6 +20,7 @@ from pipeline.agent import AgentSettings
 from pipeline.clauses import ClauseSplitter
 from pipeline.engines import (BOT_SPEAKER, Backends, ClientGone, EngineBusy, EngineUnavailable, LLMFinish, Segment,
                               ToolCall, Voice, bounded_stream)
+from pipeline.errors import E_ENGINE_UNAVAILABLE, E_INTERNAL, E_SERVER_BUSY
 from pipeline.history import new_id
 from pipeline.session_config import SessionConfig
 
@@ -122,18 +123,18 @@ class Reply:
                 return
             except EngineBusy as exc:  # no TTS slot now: this reply ends, the session goes on
                 log.warning("reply %s (turn %d) refused: %s", self.id, self.turn, exc)
-                self.status, self.reason = FAILED, "server_busy"
-                await self.host.reply_error(self, "server_busy",
+                self.status, self.reason = FAILED, E_SERVER_BUSY
+                await self.host.reply_error(self, E_SERVER_BUSY,
                                             f"reply to turn {self.turn} refused: the server is busy ({exc})")
             except EngineUnavailable as exc:  # a dead or stalled replica ends this reply, not the session
                 log.warning("reply %s (turn %d) cut short: %s", self.id, self.turn, exc)
-                self.status, self.reason = FAILED, "engine_unavailable"
-                await self.host.reply_error(self, "engine_unavailable",
+                self.status, self.reason = FAILED, E_ENGINE_UNAVAILABLE
+                await self.host.reply_error(self, E_ENGINE_UNAVAILABLE,
                                             f"reply to turn {self.turn} cut short: an engine is unavailable ({exc})")
             except Exception as exc:  # noqa: BLE001 - a backend fault ends this reply only
                 log.exception("reply %s (turn %d) failed", self.id, self.turn)
-                self.status, self.reason = FAILED, "internal"
-                await self.host.reply_error(self, "internal", f"reply to turn {self.turn} failed: {type(exc).__name__}")
+                self.status, self.reason = FAILED, E_INTERNAL
+                await self.host.reply_error(self, E_INTERNAL, f"reply to turn {self.turn} failed: {type(exc).__name__}")
         if self.status == IN_PROGRESS:
             self.status = COMPLETED
         await self.host.reply_ended(self)

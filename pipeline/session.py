@@ -171,7 +171,7 @@ class Session(WireSession):
         try:
             await self.core.tool_result(msg.call_id, msg.output, then="respond" if msg.respond else "close")
         except ToolResultError as exc:
-            if exc.code == "tool_result_too_large":
+            if exc.code == P.E_TOOL_RESULT_TOO_LARGE:
                 await self.core.error(P.E_TOOL_RESULT_TOO_LARGE, exc.message)
 
     # ------------------------------------------------------------------ ConversationEvents

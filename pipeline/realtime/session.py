@@ -29,6 +29,7 @@ from pipeline.audio_formats import ENGINE_INPUT_RATE, Decoder, Encoder
 from pipeline.conversation import Conversation, Refusal, WireSession
 from pipeline.calls import ToolResultError
 from pipeline.engines import Backends, EngineUnavailable, ToolCall
+from pipeline.errors import CLIENT_CAUSED, E_ENGINE_UNAVAILABLE, E_TOOL_RESULT_TOO_LARGE
 from pipeline.history import Item, UnknownItem, new_id
 from pipeline.protocol import MAX_WS_MESSAGE_BYTES
 from pipeline.realtime import events as E
@@ -50,8 +51,6 @@ PIECE = ENGINE_INPUT_RATE  # engine-rate samples handed to the core at a time (1
 AGENT_PARAMS = {"instructions": "session.instructions", "voice": "session.audio.output.voice",
                 "modalities": "session.output_modalities", "max_output_tokens": "session.max_output_tokens",
                 "temperature": "session.temperature", "tools": "session.tools", "tool_choice": "session.tool_choice"}
-# Core error codes a client caused (everything else the core reports is the server's)
-CLIENT_CAUSED = {"turn_too_long", "bad_setting", "audio_too_fast"}
 
 
 class ClientEventError(Exception):
@@ -232,7 +231,7 @@ class RealtimeSession(WireSession):
         try:
             return await self.core.encode_voice_clip(pcm, clip["transcript"].strip())
         except EngineUnavailable as exc:
-            raise ClientEventError("engine_unavailable", f"the voice clip could not be encoded ({exc})", param) from None
+            raise ClientEventError(E_ENGINE_UNAVAILABLE, f"the voice clip could not be encoded ({exc})", param) from None
 
     async def _append(self, event: dict) -> None:
         audio = event.get("audio")
@@ -293,7 +292,7 @@ class RealtimeSession(WireSession):
             try:
                 added = await self.core.add_user_audio(pcm, after)
             except EngineUnavailable as exc:
-                raise ClientEventError("engine_unavailable", f"the recogniser could not hear this item ({exc})") from None
+                raise ClientEventError(E_ENGINE_UNAVAILABLE, f"the recogniser could not hear this item ({exc})") from None
             await self._announce_user(added, after, len(pcm) / ENGINE_INPUT_RATE)
             return
         text_kinds = {"input_text"} if role == "user" else {"output_text", "text"}
@@ -327,7 +326,7 @@ class RealtimeSession(WireSession):
         try:
             return await self.core.tool_result(call_id, output)
         except ToolResultError as exc:
-            raise ClientEventError(exc.code, exc.message, "item.call_id" if exc.code != "tool_result_too_large"
+            raise ClientEventError(exc.code, exc.message, "item.call_id" if exc.code != E_TOOL_RESULT_TOO_LARGE
                                    else "item.output") from None
 
     def _known(self, item_id: Any) -> Item:
