@@ -65,7 +65,7 @@ class SessionRegistry:
 
     def remove(self, session: Session) -> None:
         if session in self._sessions:
-            self._sessions.discard(session)
+            self._sessions.remove(session)
             self._changed()
 
     def _changed(self) -> None:

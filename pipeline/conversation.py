@@ -52,7 +52,6 @@ from pipeline.vad import SAMPLE_RATE as VAD_RATE, VADEvent
 log = logging.getLogger(__name__)
 
 
-
 class Refusal(Exception):
     """A client's input that the conversation's limits refuse, with nothing changed: the adapter
     tells its client (``code``, ``message``, and the field at fault where the protocol names one)."""
