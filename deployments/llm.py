@@ -4,6 +4,7 @@ from __future__ import annotations
 from ray import serve
 
 from deployments.replica import ModelReplica
+from pipeline.engines import Sampling
 from pipeline.llm.config import LLMConfig
 from pipeline.services import load_llm, LLMService
 
@@ -14,6 +15,6 @@ class LLM(ModelReplica):
         self.start_engine("llm", cfg, load_llm)
         self.svc = LLMService(self.engine, self.thread)
 
-    async def stream(self, messages: list[dict], **options):
-        async for delta in self.svc.stream(messages, **options):
+    async def stream(self, messages: list[dict], sampling: Sampling):
+        async for delta in self.svc.stream(messages, sampling):
             yield delta

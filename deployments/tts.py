@@ -5,7 +5,7 @@ from ray import serve
 
 from deployments.autoscaling import slot_stats
 from deployments.replica import ModelReplica
-from pipeline.engines import USER_RATE
+from pipeline.audio_constants import USER_RATE
 from pipeline.services import load_tts, TTSService
 from pipeline.tts.config import TTSConfig
 

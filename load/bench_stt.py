@@ -36,6 +36,7 @@ from collections import deque
 
 import numpy as np
 
+from pipeline.audio_constants import USER_RATE
 
 # one speed-up at a time switched back to the library path (STTConfig fields)
 ABLATIONS = {
@@ -106,7 +107,7 @@ def nemo_pipeline_cfg(args, max_symbols: int, tuned: bool = False):
             },
             "endpointing": {"stop_history_eou": 800, "residue_tokens_at_end": 2},
             "streaming": {
-                "sample_rate": 16000,
+                "sample_rate": USER_RATE,
                 "batch_size": args.batch,
                 "word_boundary_tolerance": 4,
                 "att_context_size": [70, args.chunk],
@@ -340,7 +341,7 @@ class Bench:
         print(f"# {args.size}: {self.n_params / 1e6:.1f} M params, built+calibrated in {time.perf_counter() - t0:.1f} s;"
               f" calibration {self.calibration}", file=sys.stderr)
         self.audios = make_audio(args.streams, self.lo, self.hi, args.seed)
-        self.audio_s = sum(len(a) for a in self.audios) / 16000
+        self.audio_s = sum(len(a) for a in self.audios) / USER_RATE
         # the offline reference: before NeMo's wrapper swaps the decoding config
         self.offline = [offline_tokens(model, a) for a in self.audios] if (args.offline_check or not args.no_exact) else None
         # NeMo's pipeline as its yaml sets it up, and "tuned": per-stream biasing off (its library

@@ -49,18 +49,18 @@ ARGS_MARK = '"arguments":'
 def run_calls(engine, n: int, constrained: bool, reference: dict | None = None) -> dict:
     """``n`` forced calls. Unconstrained runs generate the ``reference`` (constrained) run's token
     counts, and take their first-argument time at the position where its arguments began."""
+    from pipeline.engines import Sampling
     from pipeline.llm.tool_calls import ToolCallParser
 
     per_token, first_arg, first_arg_index, valid, generated = [], [], [], 0, []
     for i in range(n):
         tool = TOOLS[i % len(TOOLS)]
-        kwargs = dict(tools=TOOLS, seed=1000 + i)
         if constrained:
-            kwargs["tool_choice"] = {"type": "function", "name": tool["name"]}
+            sampling = Sampling(tools=tuple(TOOLS), tool_choice={"type": "function", "name": tool["name"]})
         else:
-            kwargs["max_new_tokens"] = reference["tokens"][i]
+            sampling = Sampling(tools=tuple(TOOLS), max_output_tokens=reference["tokens"][i])
         t0 = time.perf_counter()
-        stream = engine.stream(ASK, **kwargs)
+        stream = engine.stream(ASK, sampling, seed=1000 + i)
         text, times = "", []
         for delta in stream:
             text += delta

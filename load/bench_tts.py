@@ -50,6 +50,7 @@ import torch
 
 from load.isolated_runs import NOISE_FLOOR, med_range, paired, run_children, write_result
 from pipeline.audio import int16_to_float, resample, speech_like
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
 from pipeline.compile_guard import CompileCounter
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.engine import Segment, TTSEngine
@@ -123,7 +124,7 @@ def encode_raw(engine: TTSEngine, encode, wav: np.ndarray) -> np.ndarray:
 
 def reference_clips(args) -> list[tuple[int, str, np.ndarray]]:
     """The bot's voice prompt: speech-like clips at 24 kHz, speaker 0 (the bot)."""
-    return [(0, f"reference clip {j}", int16_to_float(speech_like(sec, 24_000, seed=100 + j)))
+    return [(0, f"reference clip {j}", int16_to_float(speech_like(sec, REPLY_RATE, seed=100 + j)))
             for j, sec in enumerate(args.ref_seconds)]
 
 
@@ -134,7 +135,7 @@ def seed(engine: TTSEngine, turns, counter: CompileCounter, args) -> dict:
     history: list[tuple[int, str, np.ndarray]] = []  # (speaker, text, 24 kHz float audio), both sides
     for i, (pcm16, text) in enumerate(turns):
         t_end = time.perf_counter()
-        history.append((1, f"user {i}", resample(int16_to_float(pcm16), 16_000, 24_000)))
+        history.append((1, f"user {i}", resample(int16_to_float(pcm16), USER_RATE, REPLY_RATE)))
         kept = history[-args.context_segments:] if args.context_segments > 0 else []
         # every turn: eager encode, raw lengths, the reference clips and the capped context
         context = [Segment(spk, txt, encode_raw(engine, engine.mimi.encode, wav)) for spk, txt, wav in refs + kept]
@@ -153,7 +154,7 @@ def compiled_raw(engine: TTSEngine, turns, counter: CompileCounter, args) -> dic
     with torch.compiler.set_stance("default"):
         for i, (pcm16, text) in enumerate(turns):
             t_end = time.perf_counter()
-            history.append((1, f"user {i}", resample(int16_to_float(pcm16), 16_000, 24_000)))
+            history.append((1, f"user {i}", resample(int16_to_float(pcm16), USER_RATE, REPLY_RATE)))
             context = [Segment(spk, txt, encode_raw(engine, encode, wav)) for spk, txt, wav in history]  # all of it
             rec["encode_ms"].append((time.perf_counter() - t_end) * 1000)
             _, pcm = run_reply(engine, text, context, t_end, rec)
@@ -221,7 +222,7 @@ def build_engine(args, path: str) -> TTSEngine:
 
 
 def conversation(n: int) -> list[tuple[np.ndarray, str]]:
-    return [(speech_like(USER_SECONDS[i % len(USER_SECONDS)] + 0.01 * (i // len(USER_SECONDS)), 16_000, seed=i),
+    return [(speech_like(USER_SECONDS[i % len(USER_SECONDS)] + 0.01 * (i // len(USER_SECONDS)), USER_RATE, seed=i),
              REPLIES[i % len(REPLIES)]) for i in range(n)]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.audio import write_wav
+from pipeline.audio_constants import USER_RATE
 
 CHROMIUM = os.environ.get("GAPLESS_CHROMIUM", "/usr/bin/chromium")
 
@@ -42,7 +43,7 @@ def chromium_args(mic_wav: str | None) -> list[str]:
 
 def write_mic_wav(path: Path, pcm16k: np.ndarray) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_wav(str(path), pcm16k, 16_000)
+    write_wav(str(path), pcm16k, USER_RATE)
     return str(path)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from load import browser, speech
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
 SENTENCES = ["I would like to book a flight to Paris on Friday.", "Can you tell me about the weather tomorrow?",
              "Please play some relaxing music for me.", "What is the capital city of France?"]
@@ -31,7 +32,7 @@ def mic_audio(n: int) -> np.ndarray:
     parts = [speech.silence(1.0)]
     for text in SENTENCES[:n]:
         clip = speech.espeak(text)
-        parts += [clip, speech.silence(SPACING_S - len(clip) / speech.RATE)]
+        parts += [clip, speech.silence(SPACING_S - len(clip) / USER_RATE)]
     return np.concatenate(parts)
 
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"tool": "browser_talk", "turns": len(rows), "jitter_ms": args.jitter_ms,
                "first_audio_played_ms_p50": float(np.median(played)) if played else None,
                "first_audio_played_ms_max": max(played) if played else None,
-               "underruns": state["playback"]["underruns"], "played_s": state["playback"]["played"] / 24_000,
+               "underruns": state["playback"]["underruns"], "played_s": state["playback"]["played"] / REPLY_RATE,
                "errors": state["errors"], "rows": rows}
     print(json.dumps(summary))
     ok = len(rows) == args.spoken + args.typed and not state["errors"]

@@ -16,6 +16,7 @@ import numpy as np
 import websockets
 
 from pipeline import protocol as P
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
 
 @dataclass
@@ -35,7 +36,7 @@ class TurnResult:
     speech_stopped_at: float = 0.0  # hands-free: when the server's last speech.stopped before the final arrived
     final_at: float = 0.0
     done_at: float = 0.0
-    output_rate: int = P.OUTPUT_SAMPLE_RATE  # of ``chunks`` (a Realtime session in G.711: 8000)
+    output_rate: int = REPLY_RATE  # of ``chunks`` (a Realtime session in G.711: 8000)
     lost: bool = False  # sent, but the connection dropped before the server had it (resume)
     sent_text: str | None = None  # a typed turn's text (sent again if the server never had it)
 
@@ -275,7 +276,7 @@ class Conversation:
                     self._connected.clear()
 
     async def send_audio(self, pcm: np.ndarray, chunk_ms: int = 100, realtime: bool = False) -> None:
-        step = P.INPUT_SAMPLE_RATE * chunk_ms // 1000
+        step = USER_RATE * chunk_ms // 1000
         for i in range(0, len(pcm), step):
             await self.send(P.client_audio(pcm[i : i + step]))
             if realtime:
@@ -312,7 +313,7 @@ class Conversation:
         ``time_to_first_audio`` is voice-to-voice. ``mic(start, n)``, if given, adds to each frame
         (e.g. the echo of what plays, load/speakerphone.py)."""
         turn = max(self.turns, default=0) + 1
-        step = P.INPUT_SAMPLE_RATE * chunk_ms // 1000
+        step = USER_RATE * chunk_ms // 1000
         t0 = time.monotonic()
         k = 0
         while not (turn in self.turns and self.turns[turn].done_at):
@@ -323,11 +324,11 @@ class Conversation:
             frame[: len(part)] = part
             if mic is not None:
                 frame += mic(k, step)
-            await asyncio.sleep(max(0.0, t0 + (k + step) / P.INPUT_SAMPLE_RATE - time.monotonic()))
+            await asyncio.sleep(max(0.0, t0 + (k + step) / USER_RATE - time.monotonic()))
             await self.send(P.client_audio(np.clip(frame, -32768, 32767).astype(np.int16)))
             k += step
         tr = self.turns[turn]
-        tr.ended_at = t0 + speech_end / P.INPUT_SAMPLE_RATE
+        tr.ended_at = t0 + speech_end / USER_RATE
         await self.wait_for(lambda m: m["type"] == "response.done" and m.get("turn") == turn, timeout)
         return tr
 

@@ -25,8 +25,8 @@ import numpy as np
 from load import speech
 from load.client import Conversation, TurnResult, add_token_argument
 from load.processes import ProcessCPU
-from pipeline import protocol as P
 from pipeline.audio import float_to_int16, int16_to_float, resample, speech_like
+from pipeline.audio_constants import USER_RATE
 
 TYPED = [
     "Hello!",
@@ -54,7 +54,7 @@ def spoken_audio(i: int, text: str) -> tuple[np.ndarray, str]:
     """16 kHz int16 audio for spoken turn ``i``: espeak-ng if present, else synthetic."""
     if speech.can_say(text):
         pcm, rate = speech.spoken(text)
-        return float_to_int16(resample(int16_to_float(pcm), rate, P.INPUT_SAMPLE_RATE)), "espeak-ng"
+        return float_to_int16(resample(int16_to_float(pcm), rate, USER_RATE)), "espeak-ng"
     return speech_like(0.8 + 0.4 * len(text.split()) / 3, seed=i), "synthetic"
 
 
@@ -89,7 +89,7 @@ async def converse(url: str, turns: int, realtime: bool, token: str | None = Non
             else:
                 pcm, source = spoken[i]
                 tr = await conv.say_audio(pcm, realtime=realtime)
-                kind, seconds = f"spoken ({source})", len(pcm) / P.INPUT_SAMPLE_RATE
+                kind, seconds = f"spoken ({source})", len(pcm) / USER_RATE
             rows.append(turn_row(tr, kind, seconds))
             print(f"turn {tr.turn}: {kind}, {len(tr.chunks)} chunks", file=sys.stderr, flush=True)
     return rows, conv

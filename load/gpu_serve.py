@@ -48,7 +48,7 @@ def served_config(dry_run: bool) -> dict:
         args["profile"] = "full"
         # Replies as long as on the CPU runs (the tiny profile's 24 tokens, ~8 s of speech; a voice
         # agent's are short): full's 128 random tokens would speak for ~45 s a turn, past the lease.
-        args["llm"] = {**args.get("llm", {}), "max_new_tokens": REPLY_TOKENS}
+        args["llm"] = {**args.get("llm", {}), "max_output_tokens": REPLY_TOKENS}
     return cfg
 
 

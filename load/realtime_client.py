@@ -20,6 +20,7 @@ import numpy as np
 
 from load.client import TurnResult
 from pipeline.audio import float_to_int16, int16_to_float, resample
+from pipeline.audio_constants import USER_RATE
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -39,7 +40,7 @@ def sdk_base_url(url: str) -> str:
 def encode(pcm_16k: np.ndarray, audio_format: str) -> bytes:
     """16 kHz int16 -> the wire format's bytes."""
     fmt, rate = FORMATS[audio_format]
-    pcm = float_to_int16(resample(int16_to_float(pcm_16k), 16_000, rate)).tobytes()
+    pcm = float_to_int16(resample(int16_to_float(pcm_16k), USER_RATE, rate)).tobytes()
     if audio_format == "pcmu":
         return audioop.lin2ulaw(pcm, 2)
     if audio_format == "pcma":
@@ -184,7 +185,7 @@ class RealtimeConversation:
             await asyncio.sleep(max(0.0, t0 + (k + 1) * chunk_ms / 1000 - time.monotonic()))
             await self.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(frame).decode("ascii")})
             k += 1
-        return t0 + len(pcm_16k) / 16_000
+        return t0 + len(pcm_16k) / USER_RATE
 
     def seen(self, kind: str, **fields) -> list[dict]:
         """The events of ``kind`` received so far whose fields equal ``fields``."""

@@ -47,10 +47,10 @@ import time
 import torch
 
 from load.isolated_runs import med_range, paired, run_children, write_result
+from pipeline.audio_constants import CODEC_FRAME_SAMPLES, REPLY_RATE
 from pipeline.compile_guard import CompileCounter
-from pipeline.tts.mimi import FRAME_SIZE, load_mimi
+from pipeline.tts.mimi import load_mimi
 
-SR = 24_000
 CPU_PATHS = ("eager_raw", "compiled_raw", "fix")
 GPU_PATHS = ("gpu_seed", "gpu_bench_off", "gpu_buckets", "gpu_both", "gpu_warm_other_thread", "gpu_warm_same_thread")
 INIT_SAMPLES = 5_003  # the process's first encode: a length no row uses
@@ -87,16 +87,16 @@ def bucket_of(frames: int, buckets: list[int]) -> int:
 
 
 def padded(n: int, buckets: list[int]) -> int:
-    return bucket_of(-(-n // FRAME_SIZE), buckets) * FRAME_SIZE
+    return bucket_of(-(-n // CODEC_FRAME_SAMPLES), buckets) * CODEC_FRAME_SAMPLES
 
 
 def cpu_path(path: str, args, counter: CompileCounter) -> list[dict]:
     # (no torch._dynamo.reset() here: it would also drop the compile counter's callback)
     mimi = load_mimi(args.mimi, device="cpu")
-    lengths = [int(s * SR) for s in args.seconds]
+    lengths = [int(s * REPLY_RATE) for s in args.seconds]
     rows = []
     with torch.inference_mode():
-        mimi.encode(wav(FRAME_SIZE, "cpu"))  # eager first (quantizer tables; see docs/stall.md)
+        mimi.encode(wav(CODEC_FRAME_SAMPLES, "cpu"))  # eager first (quantizer tables; see docs/stall.md)
         if path in ("eager_raw", "compiled_raw"):
             enc = mimi.encode if path == "eager_raw" else torch.compile(mimi.encode, backend=args.backend)
             for i, n in enumerate(lengths + lengths[:1]):  # new lengths, then a repeat of the first
@@ -115,21 +115,21 @@ def cpu_path(path: str, args, counter: CompileCounter) -> list[dict]:
         t0 = time.perf_counter()
         for b in buckets:  # warm-up: every bucket once, on this (the serving) thread
             fixed(wav(b, "cpu"))
-        rows.append(dict(call=f"warm-up of buckets {[b // FRAME_SIZE for b in buckets]} frames", samples=0,
+        rows.append(dict(call=f"warm-up of buckets {[b // CODEC_FRAME_SAMPLES for b in buckets]} frames", samples=0,
                          compiles=counter.total - c0, ms=round((time.perf_counter() - t0) * 1000, 1), warmup=True))
         with torch.compiler.set_stance("fail_on_recompile"):
             for n in lengths:
                 b = padded(n, args.buckets)
                 c0 = counter.total
                 ms = timed(fixed, torch.nn.functional.pad(wav(n, "cpu"), (0, b - n)))
-                rows.append(dict(call=f"{n} samples -> bucket {b // FRAME_SIZE}", samples=n,
+                rows.append(dict(call=f"{n} samples -> bucket {b // CODEC_FRAME_SAMPLES}", samples=n,
                                  compiles=counter.total - c0, ms=round(ms, 1)))
     return rows
 
 
 def gpu_path(path: str, args) -> list[dict]:
     mimi = load_mimi(args.mimi, device="cuda")
-    lengths = [int(s * SR) for s in args.seconds]
+    lengths = [int(s * REPLY_RATE) for s in args.seconds]
     bench = path in ("gpu_seed", "gpu_buckets", "gpu_warm_other_thread", "gpu_warm_same_thread")
     pad = path in ("gpu_buckets", "gpu_both")
     warm_on = {"gpu_buckets": "same", "gpu_both": "same", "gpu_warm_other_thread": "other",
@@ -159,7 +159,7 @@ def gpu_path(path: str, args) -> list[dict]:
         for n, m in zip(lengths, todo):
             first = timed(mimi.encode, wav(m, "cuda"))
             again = timed(mimi.encode, wav(m, "cuda", seed=1))
-            rows.append(dict(call=f"{n} samples" + (f" -> bucket {m // FRAME_SIZE}" if pad else ""), samples=n,
+            rows.append(dict(call=f"{n} samples" + (f" -> bucket {m // CODEC_FRAME_SAMPLES}" if pad else ""), samples=n,
                              compiles=0, ms=round(first, 1), repeat_ms=round(again, 1)))
     torch.backends.cudnn.benchmark = False
     return rows

@@ -11,24 +11,23 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.audio import int16_to_float, resample
-
-MIC_RATE = 16_000
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
 
 class Speakerphone:
     def __init__(self, t0: float, delay_s: float = 0.15, gain_db: float = -10.0, seconds: float = 600.0):
         self.t0 = t0  # wall time of microphone sample 0
-        self.delay = int(delay_s * MIC_RATE)
+        self.delay = int(delay_s * USER_RATE)
         self.gain = 10 ** (gain_db / 20)
-        self._played = np.zeros(int(seconds * MIC_RATE), np.float32)  # what plays, on the mic clock
+        self._played = np.zeros(int(seconds * USER_RATE), np.float32)  # what plays, on the mic clock
         self._end = 0  # mic position after the last sample scheduled to play
 
     def _pos(self, t: float) -> int:
-        return int(round((t - self.t0) * MIC_RATE))
+        return int(round((t - self.t0) * USER_RATE))
 
     def receive(self, pcm_24k: np.ndarray, at: float) -> None:
         """A reply chunk arrived at wall time ``at``: it plays after what is queued, not before now."""
-        x = resample(int16_to_float(pcm_24k), 24_000, MIC_RATE)
+        x = resample(int16_to_float(pcm_24k), REPLY_RATE, USER_RATE)
         start = max(self._end, self._pos(at))
         x = x[: max(0, len(self._played) - start)]
         self._played[start:start + len(x)] = x

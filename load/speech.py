@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample, write_wav
+from pipeline.audio_constants import USER_RATE
 
-RATE = 16_000
 FLOOR = 0.01  # of full scale: a sample above it is sound, not silence
 
 
@@ -66,7 +66,7 @@ def spoken(text: str, speed: int = 160) -> tuple[np.ndarray, int]:
 def espeak(text: str, speed: int = 160) -> np.ndarray:
     """``text`` spoken by espeak-ng, 16 kHz int16, trimmed to its sound."""
     pcm, rate = spoken(text, speed)
-    pcm = float_to_int16(resample(int16_to_float(pcm), rate, RATE))
+    pcm = float_to_int16(resample(int16_to_float(pcm), rate, USER_RATE))
     first, last = sound_bounds(pcm)
     return pcm[first:last]
 
@@ -78,7 +78,7 @@ def sound_bounds(pcm: np.ndarray) -> tuple[int, int]:
 
 
 def silence(seconds: float) -> np.ndarray:
-    return np.zeros(int(seconds * RATE), np.int16)
+    return np.zeros(int(seconds * USER_RATE), np.int16)
 
 
 def padded(pcm: np.ndarray, before_s: float, after_s: float) -> np.ndarray:

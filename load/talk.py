@@ -12,8 +12,8 @@ import asyncio
 import sys
 
 from load.client import Conversation, add_token_argument
-from pipeline import protocol as P
 from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample, write_wav
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
 
 async def main(argv: list[str] | None = None) -> int:
@@ -33,19 +33,19 @@ async def main(argv: list[str] | None = None) -> int:
             result = await conv.say_text(args.text)
         else:
             pcm, rate = read_wav(args.wav)
-            if rate != P.INPUT_SAMPLE_RATE:
-                pcm = float_to_int16(resample(int16_to_float(pcm), rate, P.INPUT_SAMPLE_RATE))
+            if rate != USER_RATE:
+                pcm = float_to_int16(resample(int16_to_float(pcm), rate, USER_RATE))
             result = await conv.say_audio(pcm, realtime=args.realtime)
     for err in conv.errors:
         print(f"error {err['code']}: {err['message']}", file=sys.stderr)
     print(f"you:   {result.final_text}")
     print(f"agent: {result.response_text}")
-    seconds = len(result.audio) / P.OUTPUT_SAMPLE_RATE
+    seconds = len(result.audio) / REPLY_RATE
     ttfa = result.time_to_first_audio
     print(f"audio: {seconds:.2f} s in {len(result.chunks)} chunks"
           + (f", first after {ttfa * 1000:.0f} ms" if ttfa is not None else ""), file=sys.stderr)
     if args.out:
-        write_wav(args.out, result.audio, P.OUTPUT_SAMPLE_RATE)
+        write_wav(args.out, result.audio, REPLY_RATE)
     return 0
 
 

@@ -30,12 +30,12 @@ from load import speech
 from load.client import Conversation, add_token_argument
 from load.speakerphone import Speakerphone
 from pipeline import protocol as P
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
 SENTENCES = ["Please turn off the lights in the kitchen.", "What is the weather like in London today?",
              "Tell me a joke about cats.", "I would like to book a flight to Paris on Friday."]
 PAUSED = (["I would like to book a flight to", "Paris on Friday."], 0.5)
 PERSON = "Stop, wait a moment please."
-RATE = P.INPUT_SAMPLE_RATE
 
 
 def _pct(xs, q):
@@ -83,9 +83,9 @@ async def hands_free(url: str, clips: list[np.ndarray], token: str | None = None
 
 async def _stream_mic(conv: Conversation, t0: float, seconds: float, frame_of, until=None) -> None:
     """Microphone frames in real time from ``t0``: ``frame_of(k, n)`` gives samples [k, k + n)."""
-    step = RATE // 50
-    for k in range(0, int(seconds * RATE), step):
-        await asyncio.sleep(max(0.0, t0 + (k + step) / RATE - time.monotonic()))
+    step = USER_RATE // 50
+    for k in range(0, int(seconds * USER_RATE), step):
+        await asyncio.sleep(max(0.0, t0 + (k + step) / USER_RATE - time.monotonic()))
         await conv.send(P.client_audio(np.clip(frame_of(k, step), -32768, 32767).astype(np.int16)))
         if until is not None and until():
             return
@@ -104,7 +104,7 @@ async def reply_with_mic(url: str, person: np.ndarray | None, echo: bool, second
 
         def played_s() -> float:
             tr = conv.turns.get(turn)
-            return sum(len(c) for c in tr.chunks) / P.OUTPUT_SAMPLE_RATE if tr else 0.0
+            return sum(len(c) for c in tr.chunks) / REPLY_RATE if tr else 0.0
 
         fed = {"n": 0}
 
@@ -135,7 +135,7 @@ async def reply_with_mic(url: str, person: np.ndarray | None, echo: bool, second
         tr = conv.turns[turn]
         out = {"interrupted": bool(tr.interrupted), "audio_s": played_s()}
         if person_at and tr.interrupted:
-            onset_at = t0 + person_at[0] / RATE  # the person's first sample, as spoken
+            onset_at = t0 + person_at[0] / USER_RATE  # the person's first sample, as spoken
             out["barge_in_ms"] = 1000 * (tr.done_at - onset_at)
         return out
 

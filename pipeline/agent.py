@@ -15,7 +15,7 @@ from typing import Any, Collection
 
 import jsonschema
 
-from pipeline.engines import LLMOptions, Segment, Voice
+from pipeline.engines import Sampling, Segment, Voice
 
 MAX_INSTRUCTIONS_CHARS = 16_000
 MAX_OUTPUT_TOKENS = 4096
@@ -44,7 +44,7 @@ class AgentSettings:
     voice: str = DEFAULT_VOICE  # a voice configured on the TTS replica (its names: the gateway's voices)
     voice_reference: Segment | None = None  # the session's own reference clip, encoded (replaces the voice's)
     temperature: float | None = None  # None: the LLM replica's
-    max_output_tokens: int | None = None  # None: the LLM replica's max_new_tokens
+    max_output_tokens: int | None = None  # None: the LLM replica's max_output_tokens
     modalities: tuple[str, ...] = ("audio",)
     tools: tuple[dict, ...] = ()  # OpenAI function tools, as the client sent them
     tool_choice: str | dict = "auto"
@@ -55,11 +55,13 @@ class AgentSettings:
     def speaks(self) -> bool:
         return "audio" in self.modalities
 
-    def llm_options(self) -> LLMOptions:
+    def sampling(self) -> Sampling:
+        """How the LLM samples this session's replies (tools only where a call may be made)."""
         calls = bool(self.tools) and self.tool_choice != "none"
-        return LLMOptions(temperature=self.temperature, max_tokens=self.max_output_tokens,
-                          tools=self.tools if calls else None,
-                          tool_choice=self.tool_choice if calls and self.tool_choice != "auto" else None)
+        return Sampling(temperature=self.temperature, max_output_tokens=self.max_output_tokens,
+                        tools=self.tools if calls else None,
+                        tool_choice=self.tool_choice if calls and self.tool_choice != "auto" else None)
+
 
     def tts_voice(self) -> Voice | None:
         """The ``voice`` argument of a TTS call; None for the server's default voice."""
@@ -132,7 +134,7 @@ def _temperature(name: str, value: Any, _voices) -> float | None:
     return float(value)
 
 
-def _max_tokens(name: str, value: Any, _voices) -> int | None:
+def _max_output_tokens(name: str, value: Any, _voices) -> int | None:
     if value is None or value == "inf":
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_OUTPUT_TOKENS:
@@ -212,5 +214,5 @@ def _filler_after(name: str, value: Any, _voices) -> float:
 
 
 _CHECKS = {"instructions": _instructions, "voice": _voice, "voice_reference": _reference,
-           "temperature": _temperature, "max_output_tokens": _max_tokens, "modalities": _modalities,
+           "temperature": _temperature, "max_output_tokens": _max_output_tokens, "modalities": _modalities,
            "tools": _tools, "tool_choice": _tool_choice, "tool_filler": _filler, "tool_filler_after_ms": _filler_after}

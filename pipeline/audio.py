@@ -8,6 +8,8 @@ from math import gcd
 import numpy as np
 from scipy.signal import resample_poly  # imported here, not at first use: it takes ~1 s
 
+from pipeline.audio_constants import USER_RATE
+
 
 def int16_to_float(pcm: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(pcm, dtype=np.float32) / 32768.0
@@ -47,7 +49,7 @@ def write_wav(path, pcm: np.ndarray, rate: int) -> None:
         w.writeframes(np.ascontiguousarray(pcm, dtype="<i2").tobytes())
 
 
-def speech_like(seconds: float, rate: int = 16_000, seed: int = 0) -> np.ndarray:
+def speech_like(seconds: float, rate: int = USER_RATE, seed: int = 0) -> np.ndarray:
     """A deterministic speech-shaped test signal (voiced harmonics with syllable-rate envelope
     and pauses), int16. For load and protocol tests where the words do not matter."""
     rng = np.random.default_rng(seed)
@@ -66,15 +68,15 @@ def formant_speech(seconds: float, seed: int = 0) -> np.ndarray:
     formant-like peaks), some noise, pauses. The STT's calibration and test audio: it moves a
     random encoder more than ``speech_like`` does."""
     rng = np.random.default_rng(seed)
-    n = int(seconds * 16000)
+    n = int(seconds * USER_RATE)
     out = np.zeros(n, np.float32)
     pos = 0
     while pos < n:
-        dur = int(rng.uniform(0.12, 0.3) * 16000)
+        dur = int(rng.uniform(0.12, 0.3) * USER_RATE)
         seg = min(dur, n - pos)
-        t = np.arange(seg) / 16000
+        t = np.arange(seg) / USER_RATE
         f0 = rng.uniform(90, 220) * (1 + 0.1 * np.sin(2 * np.pi * rng.uniform(1, 4) * t))
-        phase = 2 * np.pi * np.cumsum(f0) / 16000
+        phase = 2 * np.pi * np.cumsum(f0) / USER_RATE
         formants = rng.uniform([300, 900, 2200], [900, 2200, 3200])
         sig = np.zeros(seg)
         for h in range(1, 30):
@@ -84,7 +86,7 @@ def formant_speech(seconds: float, seed: int = 0) -> np.ndarray:
         sig += 0.3 * rng.standard_normal(seg) * (rng.random() < 0.3)  # fricative-ish
         env = np.sin(np.pi * np.arange(seg) / seg) ** 0.5
         out[pos : pos + seg] = (0.1 * sig * env).astype(np.float32)
-        pos += seg + int(rng.uniform(0.0, 0.12) * 16000)
+        pos += seg + int(rng.uniform(0.0, 0.12) * USER_RATE)
     return np.clip(out, -1, 1)
 
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import soxr
 
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # deprecated in 3.11-3.12, still the reference codec
     import audioop
 
-ENGINE_INPUT_RATE = 16_000
-ENGINE_OUTPUT_RATE = 24_000
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Decoder:
 
     def __init__(self, fmt: AudioFormat):
         self.format = fmt
-        self._resample = _Resampler(fmt.rate, ENGINE_INPUT_RATE)
+        self._resample = _Resampler(fmt.rate, USER_RATE)
 
     def decode(self, data: bytes) -> np.ndarray:
         """Raises ValueError for bytes that are not whole samples of the format."""
@@ -87,7 +87,7 @@ class Decoder:
     def flush(self) -> np.ndarray:
         """The resampler's last samples (the stream ends here: a committed turn); a new stream starts."""
         out = self._resample(np.zeros(0, np.int16), last=True)
-        self._resample = _Resampler(self.format.rate, ENGINE_INPUT_RATE)
+        self._resample = _Resampler(self.format.rate, USER_RATE)
         return out
 
 
@@ -96,7 +96,7 @@ class Encoder:
 
     def __init__(self, fmt: AudioFormat):
         self.format = fmt
-        self._resample = _Resampler(ENGINE_OUTPUT_RATE, fmt.rate)
+        self._resample = _Resampler(REPLY_RATE, fmt.rate)
 
     def encode(self, pcm_24k: np.ndarray, last: bool = False) -> bytes:
         return _from_linear(self.format, self._resample(np.asarray(pcm_24k, np.int16), last=last))

@@ -35,14 +35,14 @@ import numpy as np
 from scipy.signal import fftconvolve
 
 from pipeline.audio import AudioRing, float_to_int16, int16_to_float, resample
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
-RATE = 16_000
 BLOCK = 160  # 10 ms: the block size the module takes
 REFERENCE_S = 20.0  # reply audio laid ahead on the microphone clock, at most (bounded)
-WINDOW = RATE  # microphone audio correlated with the reference (1 s)
-MAX_DELAY = RATE // 2  # delays looked at: 0-500 ms after the reference
-CHECK_EVERY = RATE // 4  # once it is known whether the microphone hears the reply
-FIRST_CHECK_EVERY = RATE // 10  # until then: the first 0.5 s of a session's reply decides fast
+WINDOW = USER_RATE  # microphone audio correlated with the reference (1 s)
+MAX_DELAY = USER_RATE // 2  # delays looked at: 0-500 ms after the reference
+CHECK_EVERY = USER_RATE // 4  # once it is known whether the microphone hears the reply
+FIRST_CHECK_EVERY = USER_RATE // 10  # until then: the first 0.5 s of a session's reply decides fast
 # Peak normalised correlation that means "the microphone hears the reply". Measured on espeak-ng
 # speech (tests/test_turn_taking.py): a -10 dB echo alone 0.98-1.0; a person as loud as the
 # reply on top of it 0.27-0.54; no echo, a person talking (the same espeak voice as the reply,
@@ -52,7 +52,7 @@ ECHO_CERTAIN = 0.8  # one peak this high is the echo alone (measured 0.98-1.0; a
 SAME_DELAY = 32  # samples (2 ms): two peaks this close are one echo path
 QUIET_MIC = 0.001  # RMS (of full scale): a microphone this quiet while the reply is loud hears no echo
 LOUD_REFERENCE = 0.005  # RMS (of full scale) of reference audio that should echo audibly
-NO_ECHO_AFTER = RATE // 2  # samples of loud reference with no echo heard before trusting the raw audio
+NO_ECHO_AFTER = USER_RATE // 2  # samples of loud reference with no echo heard before trusting the raw audio
 
 
 class EchoCanceller:
@@ -61,7 +61,7 @@ class EchoCanceller:
 
         self._rtc = rtc
         self._apm = rtc.AudioProcessingModule(echo_cancellation=True)
-        self._cap = int(REFERENCE_S * RATE)
+        self._cap = int(REFERENCE_S * USER_RATE)
         self._ref = np.zeros(self._cap, np.int16)  # ring: reference for mic positions [p, p + cap)
         self._ref_end = 0  # mic position just after the last reference sample laid
         self._mic_pos = 0  # microphone samples received
@@ -80,20 +80,20 @@ class EchoCanceller:
     def played(self, pcm_24k: np.ndarray) -> None:
         """A reply chunk (int16 24 kHz) was sent: it plays after the audio sent before it, and not
         before now on the microphone clock."""
-        pcm = float_to_int16(resample(int16_to_float(pcm_24k), 24_000, RATE))
+        pcm = float_to_int16(resample(int16_to_float(pcm_24k), REPLY_RATE, USER_RATE))
         start = max(self._ref_end, self._mic_pos)
         pcm = pcm[: max(0, self._out_pos + self._cap - start)]  # never more than the ring holds
         idx = (start + np.arange(len(pcm))) % self._cap
         self._ref[idx] = pcm
         self._ref_end = start + len(pcm)
         # Keep echo cancellation on for a while after the reply's end: the echo trails it.
-        self.active_until = self._ref_end + RATE
+        self.active_until = self._ref_end + USER_RATE
 
     def stop_playback(self) -> None:
         """The reply was interrupted: the client drops what it had not played."""
         if self._ref_end > self._mic_pos:
             self._ref_end = self._mic_pos
-            self.active_until = self._mic_pos + RATE
+            self.active_until = self._mic_pos + USER_RATE
 
     def _reference(self, pos: int, n: int) -> np.ndarray:
         out = np.zeros(n, np.int16)
@@ -160,13 +160,13 @@ class EchoCanceller:
             pos = self._out_pos + i
             if pos >= self.active_until:
                 continue
-            ref = rtc.AudioFrame(self._reference(pos, BLOCK).tobytes(), RATE, 1, BLOCK)
+            ref = rtc.AudioFrame(self._reference(pos, BLOCK).tobytes(), USER_RATE, 1, BLOCK)
             self._apm.process_reverse_stream(ref)
-            mic = rtc.AudioFrame(out[i:i + BLOCK].tobytes(), RATE, 1, BLOCK)
+            mic = rtc.AudioFrame(out[i:i + BLOCK].tobytes(), USER_RATE, 1, BLOCK)
             self._apm.process_stream(mic)
             out[i:i + BLOCK] = np.frombuffer(bytes(mic.data), np.int16)
         self._out_pos += n
-        if self._out_pos < self.active_until + RATE:  # a reply plays, or just did
+        if self._out_pos < self.active_until + USER_RATE:  # a reply plays, or just did
             self._since_check += n
             if self._since_check >= (CHECK_EVERY if self.known else FIRST_CHECK_EVERY):
                 span, self._since_check = self._since_check, 0

@@ -6,18 +6,20 @@ audio stream and a Mimi encode. ``pipeline.services.LocalBackends`` (in-process 
 ``deployments.gateway.RayBackends`` (deployment handles) implement it; the model replicas import
 this module for the failures they raise, never the conversation logic.
 
-Per-request settings travel as keyword arguments that are only passed when a session changed
-them from the server's defaults (:meth:`LLMOptions.overrides`, a ``voice`` other than the
-default), so an engine call with the defaults is the same call it always was.
+Per-request settings travel typed: every LLM call carries a :class:`Sampling` (its None fields
+keep the replica's configured values, so ``Sampling()`` is the server's defaults); a TTS call
+carries a ``voice`` only when a session chose one other than the default.
 """
 from __future__ import annotations
 
 import asyncio
 from abc import abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
 
 import numpy as np
+
+from pipeline.audio_constants import USER_RATE
 
 # Speaker ids of a session's context: the bot's turns (the TTS gives them the voice's speaker id) and
 # the user's turns.
@@ -36,7 +38,6 @@ class Segment:
     text: str
     codes: np.ndarray
 
-USER_RATE = 16_000  # the recogniser's (and the gateway's) sample rate
 T = TypeVar("T")
 
 
@@ -63,19 +64,16 @@ class UnknownStream(Exception):
 
 
 @dataclass(frozen=True)
-class LLMOptions:
-    """What a session chose for its replies; None keeps the LLM replica's configured value.
-    ``tools`` are OpenAI function tools ({"type": "function", "name", "description",
-    "parameters"}); ``tool_choice`` is "auto", "required" or {"type": "function", "name": ...}."""
+class Sampling:
+    """How one LLM reply is sampled, as a session chose it; None keeps the LLM replica's configured
+    value. ``tools`` are OpenAI function tools ({"type": "function", "name", "description",
+    "parameters"}); ``tool_choice`` is "auto", "required" or {"type": "function", "name": ...}.
+    Crosses the Ray boundary to the LLM replica as it is (picklable)."""
 
     temperature: float | None = None
-    max_tokens: int | None = None  # new tokens of one reply at most
+    max_output_tokens: int | None = None  # new tokens of one reply at most
     tools: tuple[dict, ...] | None = None
     tool_choice: str | dict | None = None
-
-    def overrides(self) -> dict[str, Any]:
-        """The keyword arguments of ``llm_stream``: only the settings that were chosen."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True)
@@ -116,9 +114,9 @@ class Backends(Protocol):
     The two implementations subclass this explicitly (``pipeline.services.LocalBackends``: the
     services in this process; ``deployments.gateway.RayBackends``: deployment handles), so a type
     checker verifies their signatures and a missing method fails at construction (abstract);
-    tests/test_backends.py compares both with it. Test doubles may stay duck-typed: a session with
-    default settings calls ``llm_stream(messages)``, ``tts_stream(text, context)`` and
-    ``tts_encode(pcm)`` exactly so."""
+    tests/test_backends.py compares both with it. Test doubles may stay duck-typed: a session
+    calls ``llm_stream(messages, sampling=...)``, and with default settings ``tts_stream(text,
+    context)`` and ``tts_encode(pcm)`` exactly so."""
 
     # Any call may raise EngineUnavailable; stt_push and stt_finish raise UnknownStream.
     @abstractmethod
@@ -132,9 +130,9 @@ class Backends(Protocol):
     async def stt_peek(self, sid: str) -> tuple[str, list[dict]] | None: ...
     @abstractmethod
     async def stt_close(self, sid: str) -> None: ...
-    # Text deltas (str) and ToolCalls, then possibly one LLMFinish; keywords as LLMOptions.overrides().
+    # Text deltas (str) and ToolCalls, then possibly one LLMFinish
     @abstractmethod
-    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | ToolCall | LLMFinish]: ...
+    def llm_stream(self, messages: list[dict], sampling: Sampling) -> AsyncIterator[str | ToolCall | LLMFinish]: ...
     # (int16 24 kHz chunk, Mimi codes [n, 32] of the frames that made it)
     @abstractmethod
     def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None

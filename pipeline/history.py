@@ -23,13 +23,12 @@ from typing import Callable
 
 import numpy as np
 
+from pipeline.audio_constants import CODEC_FRAME_SAMPLES, REPLY_RATE
 from pipeline.engines import Segment
 
 ROLES = ("user", "assistant")
 # One item a client adds: its text, name and arguments together (as long as a session's instructions).
 MAX_ITEM_CHARS = 16_000
-SAMPLE_RATE = 24_000  # reply audio
-FRAME_SIZE = 1920  # samples of one Mimi frame (80 ms): the unit of the TTS context codes
 
 
 def new_id(prefix: str) -> str:
@@ -54,7 +53,7 @@ class Item:
 
     @property
     def audio_ms(self) -> float:
-        return 1000 * self.audio_samples / SAMPLE_RATE
+        return 1000 * self.audio_samples / REPLY_RATE
 
     @classmethod
     def call(cls, call_id: str, name: str, arguments: str) -> "Item":
@@ -207,12 +206,12 @@ class History:
             raise ValueError(f"item {item.id} has no audio to truncate")
         if not 0 <= audio_end_ms <= item.audio_ms:
             raise ValueError(f"audio_end_ms {audio_end_ms:g} is beyond the item's {item.audio_ms:.0f} ms of audio")
-        cut = int(audio_end_ms * SAMPLE_RATE / 1000)
+        cut = int(audio_end_ms * REPLY_RATE / 1000)
         item.clauses = [(start, clause) for start, clause in item.clauses if start < cut]
         item.text = " ".join(clause for _, clause in item.clauses)
         item.audio_samples = cut
         if item.segment is not None:
-            frames = -(-cut // FRAME_SIZE)
+            frames = -(-cut // CODEC_FRAME_SAMPLES)  # the TTS context codes: one a Mimi frame
             item.segment.codes = np.asarray(item.segment.codes)[:frames]
             item.segment.text = item.text
         if id(item) in self._sizes:  # the running total follows the shorter text

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.audio import AudioRing
-from pipeline.vad import SAMPLE_RATE, SileroVAD, VADEvent, VADSettings, VoiceActivity
+from pipeline.audio_constants import USER_RATE
+from pipeline.vad import SileroVAD, VADEvent, VADSettings, VoiceActivity
 
 RECENT_S = 3.0  # raw audio kept: the longest frame (1 s), the VAD's onset delay and the pre-roll fit
 
@@ -25,7 +26,7 @@ class Listener:
             self.echo: "EchoCanceller | None" = EchoCanceller()
         else:
             self.echo = None
-        self._recent = AudioRing(int(RECENT_S * SAMPLE_RATE))
+        self._recent = AudioRing(int(RECENT_S * USER_RATE))
 
     @property
     def position(self) -> int:
@@ -60,4 +61,4 @@ def warm_listening() -> None:
     from pipeline import smart_turn, vad
 
     Listener(VADSettings(), echo_cancellation=True).hear(np.zeros(vad.WINDOW + vad.CONTEXT, np.int16))
-    smart_turn.shared_model().probability(np.zeros(SAMPLE_RATE, np.int16))
+    smart_turn.shared_model().probability(np.zeros(USER_RATE, np.int16))

@@ -12,19 +12,18 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
 from pipeline.errors import (  # noqa: F401 - the conversation's codes, as v1 sends them (P.E_...)
     E_AUDIO_TOO_FAST, E_BAD_OPTION, E_BAD_SETTING, E_ENGINE_UNAVAILABLE, E_IDLE_TIMEOUT, E_INTERNAL, E_ITEM_TOO_LARGE,
     E_NO_FREE_SLOT, E_RATE_LIMITED, E_RESUME_REFUSED, E_SERVER_BUSY, E_SESSION_REPLACED, E_TOOL_RESULT_TOO_LARGE,
-    E_TURN_TOO_LONG)
+    E_TURN_TOO_LONG, CLOSE_INTERNAL_ERROR, CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CLOSE_SERVICE_RESTART,
+    CLOSE_SESSION_REPLACED, CLOSE_TRY_AGAIN_LATER)
 
 PROTOCOL_VERSION = 1
-INPUT_SAMPLE_RATE = 16_000
-OUTPUT_SAMPLE_RATE = 24_000
 MAX_AUDIO_SECONDS = 1.0
-MAX_AUDIO_BYTES = int(INPUT_SAMPLE_RATE * MAX_AUDIO_SECONDS) * 2
+MAX_AUDIO_BYTES = int(USER_RATE * MAX_AUDIO_SECONDS) * 2
 MAX_TEXT_CHARS = 4_000
-VOICE_CLIP_RATE = 24_000  # voice.clip audio: int16 mono 24 kHz, at most 1 s a frame
-MAX_VOICE_CLIP_BYTES = VOICE_CLIP_RATE * 2
+MAX_VOICE_CLIP_BYTES = REPLY_RATE * 2  # voice.clip audio: int16 mono at REPLY_RATE, at most 1 s a frame
 # v1 names of the agent settings (session.update, a turn's ``response``) -> pipeline.agent.AgentSettings fields
 SETTINGS = {"instructions": "instructions", "voice": "voice", "temperature": "temperature",
             "max_output_tokens": "max_output_tokens", "output_modalities": "modalities", "tools": "tools",
@@ -48,12 +47,6 @@ E_UNKNOWN_TYPE = "unknown_type"        # ``type`` names no client message
 E_BAD_AUDIO = "bad_audio"              # pcm is empty, odd-length, or longer than 1 s
 E_TEXT_TOO_LONG = "text_too_long"      # a text turn over MAX_TEXT_CHARS
 
-CLOSE_NORMAL = 1000
-CLOSE_TRY_AGAIN_LATER = 1013
-CLOSE_INTERNAL_ERROR = 1011
-CLOSE_POLICY_VIOLATION = 1008
-CLOSE_SESSION_REPLACED = 4001  # the session was resumed by a newer connection: do not reconnect
-CLOSE_SERVICE_RESTART = 1012  # a draining gateway replica: resume elsewhere (going_away came first)
 
 
 class ProtocolError(Exception):
@@ -149,7 +142,7 @@ def parse_client_frame(frame: bytes | str) -> ClientMessage:
     if kind == "voice.clip":
         pcm = msg.get("pcm", b"")
         if not isinstance(pcm, bytes) or len(pcm) % 2 or len(pcm) > MAX_VOICE_CLIP_BYTES:
-            raise ProtocolError(E_BAD_AUDIO, f"voice.clip pcm must be bytes of int16 at {VOICE_CLIP_RATE} Hz, an even "
+            raise ProtocolError(E_BAD_AUDIO, f"voice.clip pcm must be bytes of int16 at {REPLY_RATE} Hz, an even "
                                              f"number up to {MAX_VOICE_CLIP_BYTES} (1 s)")
         done = msg.get("done", False)
         text = msg.get("text")
@@ -192,8 +185,8 @@ def session_ready(session_id: str, resume: dict | None = None) -> dict:
     return {
         "type": "session.ready",
         "session_id": session_id,
-        "input_sample_rate": INPUT_SAMPLE_RATE,
-        "output_sample_rate": OUTPUT_SAMPLE_RATE,
+        "input_sample_rate": USER_RATE,
+        "output_sample_rate": REPLY_RATE,
         "protocol_version": PROTOCOL_VERSION,
         **(resume or {}),
     }

@@ -10,13 +10,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import numpy as np
 
 from pipeline import metrics
 from pipeline.runtime import InferenceThread
-from pipeline.engines import USER_RATE, Backends, LLMFinish, NoFreeSlot, Segment, ToolCall, UnknownStream, Voice
+from pipeline.audio_constants import USER_RATE
+from pipeline.engines import Backends, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall, UnknownStream, Voice
 from pipeline.llm.tool_calls import ToolCallParser
 
 if TYPE_CHECKING:
@@ -207,26 +208,19 @@ class LLMService:
     def __init__(self, engine, thread: InferenceThread):
         self.engine, self.thread = engine, thread
 
-    async def stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | ToolCall | LLMFinish]:
-        """Text deltas and tool calls of the reply to ``messages``, then an :class:`LLMFinish` where
-        the engine tells why it stopped. ``options``: ``temperature``, ``max_tokens``, ``tools`` and
-        ``tool_choice`` for this reply (``pipeline.engines.LLMOptions``); unknown ones are refused.
-        A model engine writes calls in its own text; they are parsed out here
-        (``pipeline.llm.tool_calls``), so the text before a call streams on as it comes.
+    async def stream(self, messages: list[dict], sampling: Sampling = Sampling()
+                     ) -> AsyncIterator[str | ToolCall | LLMFinish]:
+        """Text deltas and tool calls of the reply to ``messages``, sampled as ``sampling``, then an
+        :class:`LLMFinish` where the engine tells why it stopped. A model engine writes calls in its
+        own text; they are parsed out here (``pipeline.llm.tool_calls``), so the text before a call
+        streams on as it comes.
 
         Closing or cancelling this generator closes the engine's stream at once (the model's on
         the inference thread), not whenever the garbage collector finds it."""
-        unknown = set(options) - {"temperature", "max_tokens", "tools", "tool_choice"}
-        if unknown:
-            raise TypeError(f"unknown LLM options {sorted(unknown)}")
-        overrides = {"temperature": options.get("temperature"), "max_new_tokens": options.get("max_tokens"),
-                     "tools": list(options["tools"]) if options.get("tools") else None,
-                     "tool_choice": options.get("tool_choice")}
-        overrides = {k: v for k, v in overrides.items() if v is not None}
         t0 = time.perf_counter()
         first = True
-        parser = ToolCallParser() if overrides.get("tools") and not hasattr(self.engine, "astream") else None
-        async with contextlib.aclosing(self._deltas(messages, overrides)) as deltas:
+        parser = ToolCallParser() if sampling.tools and not hasattr(self.engine, "astream") else None
+        async with contextlib.aclosing(self._deltas(messages, sampling)) as deltas:
             async for delta in deltas:
                 if first:
                     metrics.LLM_TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - t0)
@@ -239,10 +233,10 @@ class LLMService:
             for item in parser.flush() if parser is not None else ():  # a stream that ended without LLMFinish
                 yield item
 
-    def _deltas(self, messages: list[dict], overrides: dict[str, Any]) -> AsyncIterator[str | ToolCall | LLMFinish]:
+    def _deltas(self, messages: list[dict], sampling: Sampling) -> AsyncIterator[str | ToolCall | LLMFinish]:
         if hasattr(self.engine, "astream"):
-            return self.engine.astream(messages, **overrides)
-        return self.thread.iterate(self.engine.stream, messages, last=_finish, **overrides)
+            return self.engine.astream(messages, sampling)
+        return self.thread.iterate(self.engine.stream, messages, sampling, last=_finish)
 
     def stats(self) -> dict:
         return {"active_requests": self.engine.active_requests}
@@ -376,8 +370,8 @@ class LocalBackends(Backends):
     async def stt_close(self, sid: str) -> None:
         await self.stt.close(sid)
 
-    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | ToolCall | LLMFinish]:
-        return self.llm.stream(messages, **options)
+    def llm_stream(self, messages: list[dict], sampling: Sampling) -> AsyncIterator[str | ToolCall | LLMFinish]:
+        return self.llm.stream(messages, sampling)
 
     def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None
                    ) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-SAMPLE_RATE = 16_000
+from pipeline.audio_constants import USER_RATE
+
 SECONDS = 8
 MODEL_FILE = "smart-turn-v3.2-cpu.onnx"
 
@@ -53,8 +54,8 @@ class SmartTurn:
 
     def probability(self, pcm: np.ndarray) -> float:
         """P(the turn is complete) for a turn's int16 16 kHz audio (its last 8 s count)."""
-        audio = np.asarray(pcm, np.float32)[-SAMPLE_RATE * SECONDS:] / 32768.0
-        audio = np.pad(audio, (SAMPLE_RATE * SECONDS - len(audio), 0))
+        audio = np.asarray(pcm, np.float32)[-USER_RATE * SECONDS:] / 32768.0
+        audio = np.pad(audio, (USER_RATE * SECONDS - len(audio), 0))
         x = self._features(audio, do_normalize=True)[None].astype(np.float32)
         (out,) = self._session.run(None, {"input_features": x})
         return float(np.asarray(out).reshape(-1)[0])

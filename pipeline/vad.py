@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SAMPLE_RATE = 16_000
+from pipeline.audio_constants import USER_RATE
+
 WINDOW = 512  # samples per model call at 16 kHz (32 ms)
 CONTEXT = 64  # samples of the previous window the model sees before each window
 STATE_SHAPE = (2, 1, 128)
@@ -44,7 +45,7 @@ class SileroVAD:
         opts.inter_op_num_threads = 1
         self._session = ort.InferenceSession(path or model_path(), sess_options=opts,
                                              providers=["CPUExecutionProvider"])
-        self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
+        self._sr = np.array(USER_RATE, dtype=np.int64)
 
     def __call__(self, window: np.ndarray, state: np.ndarray) -> tuple[float, np.ndarray]:
         """One window: float32 [CONTEXT + WINDOW] in [-1, 1] and the stream's state -> (p, new state)."""
@@ -102,7 +103,7 @@ class VoiceActivity:
         """How long the current speech run has lasted (0 when there is none)."""
         if self._run_start is None:
             return 0.0
-        return 1000 * (self._speech_end - self._run_start) / SAMPLE_RATE
+        return 1000 * (self._speech_end - self._run_start) / USER_RATE
 
     @property
     def silence_ms(self) -> float:
@@ -110,7 +111,7 @@ class VoiceActivity:
         from the end's estimate, ``TRAIL`` before the last speech window's end."""
         if self._in_speech or self._run_start is None and self._speech_end == 0:
             return 0.0
-        return 1000 * (self.position - self._speech_end + TRAIL) / SAMPLE_RATE
+        return 1000 * (self.position - self._speech_end + TRAIL) / USER_RATE
 
     def push(self, pcm: np.ndarray) -> list[VADEvent]:
         self._buf = np.concatenate([self._buf, np.asarray(pcm, np.float32) / 32768.0])

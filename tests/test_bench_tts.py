@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from load import bench_tts, isolated_runs, repro_stall
+from pipeline.audio_constants import CODEC_FRAME_SAMPLES
 
 
 def test_paired_reports_only_ratios_above_noise():
@@ -37,7 +38,7 @@ def test_child_gets_the_parents_settings():
 
 
 def test_repro_stall_buckets():
-    fs = repro_stall.FRAME_SIZE
+    fs = CODEC_FRAME_SAMPLES
     assert repro_stall.padded(1, [25, 50]) == 25 * fs
     assert repro_stall.padded(25 * fs + 1, [25, 50]) == 50 * fs
     assert repro_stall.padded(int(1.37 * 24_000), [25, 50, 100]) == 25 * fs

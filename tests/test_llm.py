@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from pipeline.engines import Sampling
 from pipeline.llm import LLMConfig, build_prompt, make_llm
 from pipeline.llm.engine import LLMEngine, LLMStream, sample_next
 from pipeline.runtime import InferenceThread
@@ -44,15 +45,15 @@ def llm_thread():
     thread.shutdown()
 
 
-def _reference(engine: LLMEngine, messages, max_new_tokens: int) -> list[int]:
+def _reference(engine: LLMEngine, messages, max_output_tokens: int) -> list[int]:
     """transformers' own greedy generate on the same weights and prompt."""
-    ids = torch.tensor([engine.prompt_ids(messages, max_new_tokens=max_new_tokens)])
+    ids = torch.tensor([engine.prompt_ids(messages, max_output_tokens=max_output_tokens)])
     with torch.inference_mode():
         out = engine.model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=max_output_tokens,  # transformers' name
             eos_token_id=sorted(engine.stop_ids),
             pad_token_id=engine.tokenizer.pad_token_id,
         )
@@ -67,7 +68,7 @@ def _reference(engine: LLMEngine, messages, max_new_tokens: int) -> list[int]:
 
 @pytest.mark.parametrize("messages", [HELLO, BOOK])
 def test_stream_matches_greedy_generate(engine: LLMEngine, messages):
-    n = engine.cfg.max_new_tokens
+    n = engine.cfg.max_output_tokens
     stream = engine.stream(messages)
     assert engine.active_requests == 1
     deltas = list(stream)
@@ -76,15 +77,15 @@ def test_stream_matches_greedy_generate(engine: LLMEngine, messages):
     ref = _reference(engine, messages, n)
     assert stream.generated == ref
     assert "".join(deltas) == engine.decode(ref)
-    # The tiny random model never says EOS on these prompts, so it must stop at max_new_tokens.
+    # The tiny random model never says EOS on these prompts, so it must stop at max_output_tokens.
     assert len(stream.generated) == n
     assert stream.finish_reason == "length"
     with pytest.raises(StopIteration):
         next(stream)
 
 
-def test_max_new_tokens_override(engine: LLMEngine):
-    stream = engine.stream(HELLO, max_new_tokens=5)
+def test_max_output_tokens_override(engine: LLMEngine):
+    stream = engine.stream(HELLO, Sampling(max_output_tokens=5))
     text = "".join(stream)
     assert len(stream.generated) == 5
     assert text == engine.decode(_reference(engine, HELLO, 5))
@@ -97,7 +98,7 @@ def test_incremental_detokenization_multibyte(engine: LLMEngine):
     assert len(ids) > len(text) // 2  # tiny vocab: many characters span several tokens
     eos = next(iter(engine.stop_ids))
     script = iter(ids + [eos])
-    stream = engine.stream(HELLO, max_new_tokens=len(ids) + 5)
+    stream = engine.stream(HELLO, Sampling(max_output_tokens=len(ids) + 5))
     stream._step = lambda: next(script)  # feed a fixed token sequence instead of the model
     deltas = list(stream)
     assert "".join(deltas) == text
@@ -108,13 +109,13 @@ def test_incremental_detokenization_multibyte(engine: LLMEngine):
 
 
 def test_sampling_seeded_and_topk1_is_greedy(engine: LLMEngine):
-    a = "".join(engine.stream(HELLO, temperature=0.9, top_k=40, top_p=0.9, seed=7))
-    b = "".join(engine.stream(HELLO, temperature=0.9, top_k=40, top_p=0.9, seed=7))
-    greedy = "".join(engine.stream(HELLO, temperature=0.0))
+    a = "".join(engine.stream(HELLO, Sampling(temperature=0.9), top_k=40, top_p=0.9, seed=7))
+    b = "".join(engine.stream(HELLO, Sampling(temperature=0.9), top_k=40, top_p=0.9, seed=7))
+    greedy = "".join(engine.stream(HELLO, Sampling(temperature=0.0)))
     assert a == b
-    assert "".join(engine.stream(HELLO, temperature=1.0, top_k=1, seed=3)) == greedy
+    assert "".join(engine.stream(HELLO, Sampling(temperature=1.0), top_k=1, seed=3)) == greedy
     # top-p keeps at least one token, and p -> 0 is greedy as well
-    assert "".join(engine.stream(HELLO, temperature=1.0, top_k=0, top_p=1e-9, seed=3)) == greedy
+    assert "".join(engine.stream(HELLO, Sampling(temperature=1.0), top_k=0, top_p=1e-9, seed=3)) == greedy
     logits = torch.tensor([0.0, 5.0, 1.0, 4.9])
     g = torch.Generator().manual_seed(0)
     picks = {int(sample_next(logits, 1.0, 2, 1.0, g)) for _ in range(200)}
@@ -137,7 +138,7 @@ def test_local_checkpoint_path_loads_like_a_real_model(tmp_path):
     ))
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    eng = make_llm(LLMConfig.real(model=str(tmp_path), device="cpu", max_new_tokens=12, temperature=0.0))
+    eng = make_llm(LLMConfig.real(model=str(tmp_path), device="cpu", max_output_tokens=12, temperature=0.0))
     assert eng.dtype == torch.float32 and tok.eos_token_id in eng.stop_ids
     s = eng.stream(HELLO)
     text = "".join(s)
@@ -211,10 +212,10 @@ class _GatedEngine:
     def active_requests(self) -> int:
         return self.engine.active_requests
 
-    def stream(self, messages):
+    def stream(self, messages, sampling):
         self.entered.set()
         assert self.gate.wait(10)
-        return self.engine.stream(messages)
+        return self.engine.stream(messages, sampling)
 
 
 def test_service_closes_abandoned_streams_on_inference_thread(engine: LLMEngine, llm_thread, monkeypatch):
@@ -281,7 +282,7 @@ def test_service_closes_abandoned_streams_on_inference_thread(engine: LLMEngine,
 
 
 def test_slow_token_delay_hook():
-    eng = make_llm(LLMConfig.tiny(max_new_tokens=4, token_delay_s=0.05))
+    eng = make_llm(LLMConfig.tiny(max_output_tokens=4, token_delay_s=0.05))
     t0 = time.perf_counter()
     s = eng.stream(HELLO)
     list(s)
@@ -337,7 +338,7 @@ def test_engine_trims_history_to_token_budget(engine: LLMEngine):
     # one enormous user turn is cut from the front to fit the context
     huge = [{"role": "user", "content": "The quick brown fox jumps. " * 200 + "END"}]
     ids = engine.prompt_ids(huge)
-    assert len(ids) + engine.cfg.max_new_tokens <= engine.cfg.max_context_tokens
+    assert len(ids) + engine.cfg.max_output_tokens <= engine.cfg.max_context_tokens
     assert "END" in engine.tokenizer.decode(ids)
     assert len(list(engine.stream(huge))) > 0
     assert engine.active_requests == 0
@@ -354,8 +355,8 @@ def test_factory_backends():
     except ImportError:
         with pytest.raises(RuntimeError, match=r"pip install \.\[gpu\]"):
             make_llm(LLMConfig(backend="vllm"))
-    cfg = LLMConfig.real(max_new_tokens=7)
-    assert cfg.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.max_new_tokens == 7
+    cfg = LLMConfig.real(max_output_tokens=7)
+    assert cfg.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.max_output_tokens == 7
 
 
 def test_profile_vocabulary():
@@ -372,7 +373,7 @@ def test_full_profile_builds_random_weights_without_a_checkpoint():
     """profile full is the tiny recipe at another shape (here shrunk to stay CPU-cheap): a random
     model built in code over the tiny tokenizer, never a checkpoint lookup."""
     eng = make_llm(LLMConfig.full(tiny_layers=1, tiny_hidden=32, tiny_heads=2, tiny_kv_heads=1,
-                                  tiny_intermediate=48, device="cpu", dtype="float32", max_new_tokens=3))
+                                  tiny_intermediate=48, device="cpu", dtype="float32", max_output_tokens=3))
     assert type(eng.model).__name__ == "LlamaForCausalLM"
     assert eng.model.config.num_hidden_layers == 1 and eng.model.config.intermediate_size == 48
     s = eng.stream(HELLO)
@@ -475,7 +476,7 @@ def test_openai_backend_streams_deltas_in_order():
     pieces = ["Hel", "lo", ", wör", "ld", " — 日本", "!"]
     with _FakeServer(pieces) as fake:
         eng = make_llm(LLMConfig(backend="openai", openai_url=fake.url, openai_model="m",
-                                 openai_api_key="k", system_prompt="be brief", max_new_tokens=9))
+                                 openai_api_key="k", system_prompt="be brief", max_output_tokens=9))
         eng.warmup()
 
         async def go():
@@ -493,7 +494,7 @@ def test_openai_backend_streams_deltas_in_order():
         assert req["messages"][0] == {"role": "system", "content": "be brief"}
         assert req["messages"][1:] == BOOK
         assert fake.headers[0]["Authorization"] == "Bearer k"
-    overridden = eng.request_body(HELLO, max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0, seed=5)
+    overridden = eng.request_body(HELLO, Sampling(temperature=0.0, max_output_tokens=3), top_k=0, top_p=1.0, seed=5)
     assert overridden["max_tokens"] == 3 and overridden["temperature"] == 0.0 and overridden["seed"] == 5
     assert "top_k" not in overridden and "top_p" not in overridden
     openai = make_llm(LLMConfig(backend="openai", openai_url="https://api.openai.com/v1"))

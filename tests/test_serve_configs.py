@@ -102,9 +102,9 @@ def test_an_unknown_profile_is_refused(name):
 def test_an_engine_may_name_its_own_profile():
     from pipeline.llm.config import LLMConfig
 
-    built = configs(AppArgs(profile="real", device="cpu", llm={"profile": "tiny", "max_new_tokens": 9},
+    built = configs(AppArgs(profile="real", device="cpu", llm={"profile": "tiny", "max_output_tokens": 9},
                             auth={"mode": "none"}))
-    assert built["llm"] == LLMConfig.tiny(device="cpu", max_new_tokens=9)
+    assert built["llm"] == LLMConfig.tiny(device="cpu", max_output_tokens=9)
     assert (built["stt"].profile, built["tts"].profile) == ("real", "real")
     with pytest.raises(ValueError, match="profile must be one of"):
         configs(AppArgs(llm={"profile": "small"}, auth={"mode": "none"}))

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.audio_constants import CODEC_FRAME_SAMPLES
 from pipeline.compile_guard import CompileCounter
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.engine import Segment, TTSEngine
-from pipeline.tts.mimi import FRAME_SIZE
 
 torch.set_num_threads(1)
 
@@ -74,7 +74,7 @@ def test_conversation_after_warmup_compiles_nothing(warm, counter):
         s = engine.stream(text, context=context)
         prompt_rows.add(len(s.prompt_tokens))
         chunks = list(s)
-        assert sum(len(c) for c in chunks) == s.frames * FRAME_SIZE > 0
+        assert sum(len(c) for c in chunks) == s.frames * CODEC_FRAME_SAMPLES > 0
         context.append(Segment(speaker=0, text=text, codes=s.codes))  # the generated codes, not re-encoded
     assert len(prompt_rows) >= 6  # the prompts really had different lengths...
     assert {engine.bucket_for(r) for r in prompt_rows} == set(engine.prefill_buckets)  # ...in every bucket
@@ -114,9 +114,9 @@ def test_naive_compiled_encode_recompiles_for_a_new_length(warm, counter):
     naive = torch.compile(mimi.encode, backend=BACKEND)  # torch's defaults, as a naive caller would
     rng = np.random.default_rng(0)
     with torch.compiler.set_stance("default"), torch.inference_mode():
-        naive(torch.from_numpy(rng.standard_normal((1, 1, 7 * FRAME_SIZE)).astype(np.float32)))
+        naive(torch.from_numpy(rng.standard_normal((1, 1, 7 * CODEC_FRAME_SAMPLES)).astype(np.float32)))
         after_first = counter.total
-        naive(torch.from_numpy(rng.standard_normal((1, 1, 11 * FRAME_SIZE)).astype(np.float32)))
+        naive(torch.from_numpy(rng.standard_normal((1, 1, 11 * CODEC_FRAME_SAMPLES)).astype(np.float32)))
     assert counter.total > after_first
 
 

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.audio_constants import CODEC_FRAME_SAMPLES
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, arch_from_hf_config, load_csm, map_hf_state_dict, tiny_arch
 from pipeline.tts.engine import Segment, TTSEngine
-from pipeline.tts.mimi import FRAME_SIZE, SlotDecoder, load_mimi
+from pipeline.tts.mimi import SlotDecoder, load_mimi
 from pipeline.tts.sampling import Race, race_noise
 
 torch.set_num_threads(1)
@@ -205,9 +206,9 @@ def test_stream_chunks_codes_and_active_requests(engine):
     assert engine.active_requests == 0
     assert engine.sample_rate == 24000
     assert all(c.dtype == np.int16 and c.ndim == 1 and c.flags.c_contiguous for c in chunks)
-    assert len(chunks[0]) == cfg.first_chunk_frames * FRAME_SIZE
-    assert all(len(c) == cfg.chunk_frames * FRAME_SIZE for c in chunks[1:-1])
-    assert s.frames == engine.max_frames_for(text) == sum(len(c) for c in chunks) // FRAME_SIZE
+    assert len(chunks[0]) == cfg.first_chunk_frames * CODEC_FRAME_SAMPLES
+    assert all(len(c) == cfg.chunk_frames * CODEC_FRAME_SAMPLES for c in chunks[1:-1])
+    assert s.frames == engine.max_frames_for(text) == sum(len(c) for c in chunks) // CODEC_FRAME_SAMPLES
     assert s.codes.shape == (s.frames, 32) and s.codes.dtype == np.int64
     assert s.codes.min() >= 0 and s.codes.max() < 2048
     with torch.inference_mode():  # .codes are exactly the frames that produced the audio
@@ -225,14 +226,14 @@ def test_stream_chunks_codes_and_active_requests(engine):
     early.close()
     assert engine.active_requests == 0 and early.frames == cfg.first_chunk_frames and early.row is None
     assert list(early) == []
-    assert len(first) == cfg.first_chunk_frames * FRAME_SIZE
+    assert len(first) == cfg.first_chunk_frames * CODEC_FRAME_SAMPLES
 
     # streams coexist: one left open does not stop another
     a = engine.stream(text)
     next(a)
     b = engine.stream("Goodbye.")
     assert engine.active_requests == 2
-    assert sum(len(c) for c in b) == engine.max_frames_for("Goodbye.") * FRAME_SIZE
+    assert sum(len(c) for c in b) == engine.max_frames_for("Goodbye.") * CODEC_FRAME_SAMPLES
     assert engine.active_requests == 1 and not a.closed
     a.close()
     assert engine.active_requests == 0
@@ -250,7 +251,7 @@ def test_stream_stops_at_all_zero_frame(engine, monkeypatch):
     monkeypatch.setitem(engine.fns, "frame", step)
     s = engine.stream("one two three four five six seven eight")
     chunks = list(s)
-    assert s.frames == 5 and sum(len(c) for c in chunks) == 5 * FRAME_SIZE
+    assert s.frames == 5 and sum(len(c) for c in chunks) == 5 * CODEC_FRAME_SAMPLES
     assert engine.active_requests == 0
 
 
@@ -300,7 +301,7 @@ def test_generated_codes_pass_through_as_context(engine):
     assert nxt.prompt_mask[:, k].sum() + audio_rows.sum() == len(nxt.prompt_tokens)
     text_ids, _ = engine.prompts.text_rows(0, "What can I do for you?")
     np.testing.assert_array_equal(nxt.prompt_tokens[-len(text_ids) :], text_ids)
-    assert len(next(nxt)) == engine.cfg.first_chunk_frames * FRAME_SIZE
+    assert len(next(nxt)) == engine.cfg.first_chunk_frames * CODEC_FRAME_SAMPLES
     nxt.close()
     assert engine.active_requests == 0
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.audio_constants import CODEC_FRAME_SAMPLES
 from pipeline.compile_guard import CompileCounter
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.engine import TTSBusyError, TTSEngine
-from pipeline.tts.mimi import FRAME_SIZE
 
 torch.set_num_threads(1)
 
@@ -109,7 +109,7 @@ def test_streams_wait_for_a_slot_and_a_full_line_is_refused():
     engine.step()
     assert s[3].row == 0 and engine.active_requests == 2
     for x in (s[1], s[3]):
-        assert sum(len(c) for c in x) == x.max_frames * FRAME_SIZE
+        assert sum(len(c) for c in x) == x.max_frames * CODEC_FRAME_SAMPLES
     assert engine.active_requests == 0
 
 

@@ -35,7 +35,7 @@ class LLMConfig:
     backend: str = "transformers"
     model: str = REAL_MODEL  # HF id or local path: the checkpoint of profile real (and of the vllm backend)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    max_new_tokens: int = 128
+    max_output_tokens: int = 128  # new tokens of one reply at most; a session may choose its own
     temperature: float = 0.7
     top_k: int = 50
     top_p: float = 0.9
@@ -64,7 +64,7 @@ class LLMConfig:
         base = cls(
             profile="tiny",
             backend="transformers",
-            max_new_tokens=24,
+            max_output_tokens=24,
             # sampled (seeded per stream), so random weights do not repeat one token forever
             temperature=0.9,
             top_k=40,
@@ -82,7 +82,7 @@ class LLMConfig:
         """Random weights with Qwen2.5-0.5B's transformer shape (24 layers of 896, 14/2 heads, MLP
         4864) over the tiny tokenizer's vocabulary: GPU timing without a checkpoint."""
         base = replace(cls.tiny(), profile="full", tiny_layers=24, tiny_hidden=896, tiny_heads=14, tiny_kv_heads=2,
-                       tiny_intermediate=4864, max_new_tokens=128, history_tokens=1024, max_context_tokens=2048,
+                       tiny_intermediate=4864, max_output_tokens=128, history_tokens=1024, max_context_tokens=2048,
                        device="cuda", dtype="bfloat16")
         return replace(base, **overrides)
 
@@ -96,3 +96,4 @@ class LLMConfig:
             raise ValueError(f"LLMConfig.profile must be 'tiny', 'full' or 'real', got {self.profile!r}")
         if self.model == "tiny":  # the old spelling of the tiny model (before profiles)
             raise ValueError("LLMConfig(model='tiny') is now LLMConfig(profile='tiny') (or LLMConfig.tiny())")
+

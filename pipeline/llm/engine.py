@@ -31,6 +31,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from pipeline.engines import Sampling
 from pipeline.llm.config import LLMConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -302,9 +303,10 @@ class LLMEngine:
         """Run one short generation (prefill + decode steps), and one forced tool call (the tool-call
         grammar's tokenizer and, on a GPU, its mask kernel), on the calling (inference) thread."""
         t0 = time.perf_counter()
-        for tools in (None, [WARMUP_TOOL]):
-            stream = self.stream([{"role": "user", "content": "Hello!"}], max_new_tokens=4, temperature=0.0,
-                                 tools=tools, tool_choice="required" if tools else None)
+        for tools in (None, (WARMUP_TOOL,)):
+            stream = self.stream([{"role": "user", "content": "Hello!"}],
+                                 Sampling(temperature=0.0, max_output_tokens=4, tools=tools,
+                                          tool_choice="required" if tools else None))
             try:
                 for _ in stream:
                     pass
@@ -332,26 +334,24 @@ class LLMEngine:
     def stream(
         self,
         messages: list[Message],
+        sampling: Sampling = Sampling(),
         *,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
-        tools: list[dict] | None = None,
-        tool_choice: str | dict | None = None,
     ) -> "LLMStream":
         """Start generating a reply to ``messages`` (conversation, oldest first, OpenAI chat format).
 
         The system prompt is applied and old turns trimmed to ``cfg.history_tokens`` (see
         :func:`build_prompt`). Returns an iterator of text deltas; nothing runs on the model
-        until its first ``next()``. Keyword arguments override the config per request.
-        ``tools`` (OpenAI function tools) go to the chat template; the model calls one in its own
-        format (``pipeline.llm.tool_calls``). ``tool_choice`` ``"required"`` or a named function
-        forces a call, its arguments constrained to the tool's schema (``pipeline.llm.constraint``).
+        until its first ``next()``. ``sampling`` and the keyword arguments override the config per
+        request. ``sampling.tools`` (OpenAI function tools) go to the chat template; the model calls
+        one in its own format (``pipeline.llm.tool_calls``). ``tool_choice`` ``"required"`` or a named
+        function forces a call, its arguments constrained to the tool's schema (``pipeline.llm.constraint``).
         """
         cfg = self.cfg
-        max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        tools, tool_choice, temperature = sampling.tools, sampling.tool_choice, sampling.temperature
+        max_new = cfg.max_output_tokens if sampling.max_output_tokens is None else int(sampling.max_output_tokens)
         constraint = None
         if tools and tool_choice is not None and tool_choice not in ("auto", "none"):
             from pipeline.llm.constraint import CallConstraint
@@ -360,7 +360,7 @@ class LLMEngine:
             max_new = max(max_new, cfg.max_tool_call_tokens)  # a call cut short could not run
             constraint = CallConstraint(self._call_tokenizer(), forced_call_grammar(chosen_tools(tools, tool_choice)),
                                         self._closers, wind_down_after=max_new // 2)
-        prompt_ids = self.prompt_ids(messages, max_new_tokens=max_new, tools=tools)
+        prompt_ids = self.prompt_ids(messages, max_output_tokens=max_new, tools=tools)
         max_new = min(max_new, cfg.max_context_tokens - len(prompt_ids))
         if seed is None:
             seed = cfg.seed + self._streams_started
@@ -368,7 +368,7 @@ class LLMEngine:
         return LLMStream(
             self,
             prompt_ids,
-            max_new_tokens=max_new,
+            max_output_tokens=max_new,
             temperature=cfg.temperature if temperature is None else float(temperature),
             top_k=cfg.top_k if top_k is None else int(top_k),
             top_p=cfg.top_p if top_p is None else float(top_p),
@@ -379,16 +379,16 @@ class LLMEngine:
     def count_prompt_tokens(self, messages: list[Message], tools: list[dict] | None = None) -> int:
         return len(self._apply_template(messages, tools))
 
-    def prompt_ids(self, messages: list[Message], *, max_new_tokens: int | None = None,
+    def prompt_ids(self, messages: list[Message], *, max_output_tokens: int | None = None,
                    tools: list[dict] | None = None) -> list[int]:
         """The token ids of the templated, trimmed prompt for ``messages`` (and ``tools``)."""
         cfg = self.cfg
-        max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+        max_new = cfg.max_output_tokens if max_output_tokens is None else max_output_tokens
         hard_limit = cfg.max_context_tokens - max(1, max_new)
         if hard_limit <= 0:
             raise ValueError(
                 f"max_context_tokens={cfg.max_context_tokens} leaves no room for a prompt "
-                f"with max_new_tokens={max_new}"
+                f"with max_output_tokens={max_new}"
             )
         budget = min(cfg.history_tokens, hard_limit)
         msgs = build_prompt(messages, cfg.system_prompt, budget,
@@ -488,7 +488,7 @@ class LLMStream(Iterator[str]):
         engine: LLMEngine,
         prompt_ids: list[int],
         *,
-        max_new_tokens: int,
+        max_output_tokens: int,
         temperature: float,
         top_k: int,
         top_p: float,
@@ -498,7 +498,7 @@ class LLMStream(Iterator[str]):
         self.engine = engine
         self.constraint = constraint  # a forced tool call's grammar (pipeline.llm.constraint), or None
         self.prompt_ids = prompt_ids
-        self.max_new_tokens = max(0, max_new_tokens)
+        self.max_output_tokens = max(0, max_output_tokens)
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p
@@ -608,7 +608,7 @@ class LLMStream(Iterator[str]):
     def _advance(self) -> str | None:
         """Run model steps until new printable text appears; None when the stream has ended."""
         while True:
-            if len(self.generated) >= self.max_new_tokens:
+            if len(self.generated) >= self.max_output_tokens:
                 self.finish_reason = self.finish_reason or "length"
                 rest = self._flush()
                 self._finish("length")
@@ -626,7 +626,7 @@ class LLMStream(Iterator[str]):
                 self._finish("stop")
                 return rest or None
             self.generated.append(token_id)
-            if len(self.generated) >= self.max_new_tokens:
+            if len(self.generated) >= self.max_output_tokens:
                 continue  # flushes everything (held-back bytes included) on the next pass
             full = self.engine.decode(self.generated)
             stable = full.rstrip(_REPLACEMENT_CHAR)

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from pipeline.engines import LLMFinish, ToolCall
+from pipeline.engines import LLMFinish, Sampling, ToolCall
 from pipeline.llm.config import LLMConfig
 from pipeline.llm.engine import Message, build_prompt
 from pipeline.llm.tool_calls import new_call_id, template_tools
@@ -51,12 +51,13 @@ class OpenAIEngine:
     def warmup(self) -> None:
         """Nothing to load; the server warms itself."""
 
-    async def astream(self, messages: list[Message], **overrides: Any) -> AsyncIterator[str | ToolCall | LLMFinish]:
-        """Text deltas of the reply to ``messages``; keyword arguments as :meth:`request_body`.
+    async def astream(self, messages: list[Message], sampling: Sampling = Sampling()
+                      ) -> AsyncIterator[str | ToolCall | LLMFinish]:
+        """Text deltas of the reply to ``messages``, sampled as ``sampling`` (:meth:`request_body`).
 
         Closing or cancelling the generator closes the HTTP response (the server sees the
         connection drop and stops generating)."""
-        body = self.request_body(messages, **overrides)
+        body = self.request_body(messages, sampling)
         reason, usage = None, None
         calls: dict[int, dict] = {}  # tool calls by index, assembled from their deltas
         self._active += 1  # only the event loop's thread touches the count
@@ -86,24 +87,23 @@ class OpenAIEngine:
     def request_body(
         self,
         messages: list[Message],
+        sampling: Sampling = Sampling(),
         *,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
-        tools: list[dict] | None = None,
-        tool_choice: str | dict | None = None,
     ) -> dict[str, Any]:
-        """The chat-completions request: trimmed prompt, config sampling unless overridden, and the
-        session's tools (OpenAI's chat-completions shape) passed upstream."""
-        cfg = self.cfg
+        """The chat-completions request: trimmed prompt, config sampling unless ``sampling`` or the
+        keyword arguments override it, and the session's tools (OpenAI's chat-completions shape)
+        passed upstream. ``max_output_tokens`` goes as the API's own ``max_tokens``."""
+        cfg, tools, tool_choice = self.cfg, sampling.tools, sampling.tool_choice
+        max_output, temperature = sampling.max_output_tokens, sampling.temperature
         msgs = build_prompt(messages, cfg.system_prompt, cfg.history_tokens)
         body: dict[str, Any] = {
             "model": cfg.openai_model,
             "messages": [_message(m) for m in msgs],
             "stream": True,
-            "max_tokens": cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens),
+            "max_tokens": cfg.max_output_tokens if max_output is None else int(max_output),
             "temperature": cfg.temperature if temperature is None else float(temperature),
         }
         p = cfg.top_p if top_p is None else float(top_p)

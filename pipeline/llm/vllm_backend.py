@@ -12,6 +12,7 @@ import itertools
 from collections import deque
 from typing import Any, Iterator
 
+from pipeline.engines import Sampling
 from pipeline.llm.config import LLMConfig
 from pipeline.llm.engine import build_prompt
 from pipeline.weights import require_pretrained
@@ -36,14 +37,13 @@ class VLLMEngine:
         return len(self._buffers)
 
     def warmup(self) -> None:
-        for _ in self.stream([{"role": "user", "content": "Hello."}], max_new_tokens=4):
+        for _ in self.stream([{"role": "user", "content": "Hello."}], Sampling(max_output_tokens=4)):
             pass
 
     def _count(self, messages: list[dict]) -> int:
         return len(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
 
-    def stream(self, messages: list[dict], *, max_new_tokens: int | None = None, temperature: float | None = None,
-               tools: list[dict] | None = None, tool_choice: str | dict | None = None, **_: Any) -> "VLLMStream":
+    def stream(self, messages: list[dict], sampling: Sampling = Sampling()) -> "VLLMStream":
         """As LLMEngine.stream: tools go to the model's chat template, its calls come back in its own
         text (the Hermes format, which the service parses; a model needs a template that writes it,
         as Qwen2.5's does). A forced call (``required`` or a named function) is guided by the same
@@ -52,13 +52,13 @@ class VLLMEngine:
 
         from pipeline.llm.tool_calls import template_messages, template_tools
 
-        cfg = self.cfg
-        max_new = max_new_tokens or cfg.max_new_tokens
+        cfg, tools, temperature = self.cfg, sampling.tools, sampling.temperature
+        max_new = cfg.max_output_tokens if sampling.max_output_tokens is None else sampling.max_output_tokens
         budget = min(cfg.history_tokens, cfg.max_context_tokens - max_new)
         msgs = build_prompt(messages, cfg.system_prompt, budget, count_tokens=self._count)
         prompt = self.tokenizer.apply_chat_template(template_messages(msgs), tools=template_tools(tools), tokenize=False,
                                                     add_generation_prompt=True)
-        guided = _forced_call(tools, tool_choice)
+        guided = _forced_call(tools, sampling.tool_choice)
         params = SamplingParams(
             max_tokens=max(max_new, cfg.max_tool_call_tokens) if guided else max_new,
             temperature=cfg.temperature if temperature is None else float(temperature),

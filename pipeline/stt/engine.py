@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pipeline.audio_constants import USER_RATE
 from pipeline.stt.config import STTConfig
 from pipeline.stt.decoding import PredictionStep, frame_loop_decode_chunk, label_loop_decode_chunk
 from pipeline.engines import NoFreeSlot
@@ -90,7 +91,7 @@ class _Stream:
 
 
 class STTEngine:
-    sample_rate = 16000
+    sample_rate = USER_RATE
 
     def __init__(self, model, cfg: STTConfig):
         self.model = model.eval()

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from pipeline.audio_constants import USER_RATE
 from pipeline.stt.calibration import (
     calibrate_blank_bias,
     calibrate_blank_bias_cached,
@@ -15,9 +16,6 @@ from pipeline.stt.calibration import (
 )
 from pipeline.stt.config import LOOKAHEADS, STTConfig
 from pipeline.stt.tiny_tokenizer import tiny_tokenizer_dir
-
-SAMPLE_RATE = 16000
-
 
 
 def _silence_nemo() -> None:
@@ -31,12 +29,12 @@ def tiny_model_config(tokenizer_dir: str, d_model: int = 64, n_layers: int = 2, 
 
     return OmegaConf.create(
         {
-            "sample_rate": SAMPLE_RATE,
+            "sample_rate": USER_RATE,
             "model_defaults": {"enc_hidden": d_model, "pred_hidden": d_model, "joint_hidden": d_model},
             "tokenizer": {"dir": tokenizer_dir, "type": "bpe"},
             "preprocessor": {
                 "_target_": "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor",
-                "sample_rate": SAMPLE_RATE,
+                "sample_rate": USER_RATE,
                 "normalize": "NA",
                 "window_size": 0.025,
                 "window_stride": 0.01,

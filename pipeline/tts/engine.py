@@ -45,11 +45,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.audio_constants import CODEC_FRAME_SAMPLES, REPLY_RATE, USER_RATE
 from pipeline.engines import EngineBusy
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, load_csm, tiny_arch
 from pipeline.tts.cuda_graphs import GraphedFunction
-from pipeline.tts.mimi import FRAME_SIZE, SAMPLE_RATE, SlotDecoder, encode_streaming_modules, load_mimi, to_int16
+from pipeline.tts.mimi import SlotDecoder, encode_streaming_modules, load_mimi, to_int16
 from pipeline.tts.prompt import BOT_SPEAKER, PromptBuilder, Segment
 from pipeline.tts.sampling import race_noise, race_width
 from pipeline.tts.shape_gate import ShapeGate
@@ -57,7 +58,6 @@ from pipeline.tts.shape_gate import ShapeGate
 __all__ = ["TTSEngine", "TTSStream", "TTSBusyError", "Segment"]
 
 log = logging.getLogger(__name__)
-USER_RATE = 16_000  # what the gateway and STT carry
 
 
 class TTSBusyError(EngineBusy):
@@ -158,7 +158,7 @@ class TTSStream:
 class TTSEngine:
     """CSM + Mimi serving ``cfg.num_slots`` streams in one batched frame step (module docstring)."""
 
-    sample_rate = SAMPLE_RATE
+    sample_rate = REPLY_RATE
 
     def __init__(self, cfg: TTSConfig | None = None):
         self.cfg = cfg = cfg or TTSConfig.tiny()
@@ -502,15 +502,15 @@ class TTSEngine:
         k = self.num_codebooks
         if n == 0:
             return np.zeros((0, k), dtype=np.int64)
-        frames = -(-n // FRAME_SIZE)
+        frames = -(-n // CODEC_FRAME_SAMPLES)
         top = self.encode_buckets[-1]
         if frames <= top:
             b = next(b for b in self.encode_buckets if frames <= b)
-            x = np.zeros(b * FRAME_SIZE, dtype=np.float32)
+            x = np.zeros(b * CODEC_FRAME_SAMPLES, dtype=np.float32)
             x[:n] = wav
             codes = self.fns["encode"](torch.from_numpy(x).to(self.device).view(1, 1, -1))[0, :, :frames]
         else:
-            piece = top * FRAME_SIZE
+            piece = top * CODEC_FRAME_SAMPLES
             x = np.zeros(-(-n // piece) * piece, dtype=np.float32)
             x[:n] = wav
             xt = torch.from_numpy(x).to(self.device).view(1, 1, -1)
@@ -537,7 +537,7 @@ class TTSEngine:
         """int16 mono audio at ``rate`` -> Mimi codes [T, 32]: resampled to 24 kHz, then :meth:`encode_wave`."""
         from pipeline.audio import int16_to_float, resample
 
-        return self.encode_wave(resample(int16_to_float(np.asarray(pcm, dtype=np.int16)), rate, SAMPLE_RATE))
+        return self.encode_wave(resample(int16_to_float(np.asarray(pcm, dtype=np.int16)), rate, REPLY_RATE))
 
     def _encode_voices(self) -> None:
         """Each configured voice's clip, encoded once (warmed buckets) and kept as its reference."""
@@ -559,8 +559,8 @@ class TTSEngine:
     def _run_every_shape(self) -> None:
         cfg, k = self.cfg, self.num_codebooks
         for b in self.encode_buckets:  # each encode bucket, then the streaming path (2 pieces)
-            self.encode_wave(np.zeros(b * FRAME_SIZE, dtype=np.float32))
-        self.encode_wave(np.zeros(self.encode_buckets[-1] * FRAME_SIZE + 1, dtype=np.float32))
+            self.encode_wave(np.zeros(b * CODEC_FRAME_SAMPLES, dtype=np.float32))
+        self.encode_wave(np.zeros(self.encode_buckets[-1] * CODEC_FRAME_SAMPLES + 1, dtype=np.float32))
         self.encode_user_audio(np.zeros(USER_RATE // 10, dtype=np.int16))  # and the user path (resample)
         for b in self.prefill_buckets:  # each prefill bucket (into the last row: it is free now)
             tokens = np.zeros((b, k + 1), dtype=np.int64)

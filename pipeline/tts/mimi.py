@@ -10,8 +10,6 @@ from contextlib import ExitStack
 import numpy as np
 import torch
 
-SAMPLE_RATE = 24000
-FRAME_SIZE = 1920  # samples per 80 ms frame
 NUM_CODEBOOKS = 32
 MIMI_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
 
