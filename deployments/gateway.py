@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import numpy as np
 import ray
@@ -25,6 +25,8 @@ from starlette.websockets import WebSocketDisconnect
 from deployments import proxy_limits
 from deployments.session_store import RaySnapshots
 from pipeline import metrics
+from pipeline.adapters.realtime import RealtimeSession
+from pipeline.adapters.v1 import Session
 from pipeline import protocol as P
 from pipeline.admission import Gatekeeper, Handshake, Refused
 from pipeline.auth import TICKET_PARAM, AuthConfig, AuthError, Authenticator, load_tokens
@@ -33,8 +35,8 @@ from pipeline.connection import (ClientGone, Resumption, SessionRegistry, refuse
                                  session_options)
 from pipeline.keeper import Continuity
 from pipeline.listening import warm_listening
-from pipeline.realtime.session import RealtimeSession
-from pipeline.engines import (USER_RATE, Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Segment, ToolCall,
+from pipeline.audio_constants import USER_RATE
+from pipeline.engines import (Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
                               Voice)
 from pipeline.session_config import SessionConfig
 
@@ -175,8 +177,8 @@ class RayBackends(Backends):
     async def stt_close(self, sid: str) -> None:
         await self._stt(sid).close.remote(sid)
 
-    def llm_stream(self, messages: list[dict], **options: Any) -> AsyncIterator[str | ToolCall | LLMFinish]:
-        return _remote_stream(self.llm.options(stream=True).stream.remote(messages, **options))
+    def llm_stream(self, messages: list[dict], sampling: Sampling) -> AsyncIterator[str | ToolCall | LLMFinish]:
+        return _remote_stream(self.llm.options(stream=True).stream.remote(messages, sampling))
 
     def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None
                    ) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
@@ -313,17 +315,7 @@ class Gateway:
 
     @staticmethod
     def _session_config(session_args: dict) -> SessionConfig:
-        return SessionConfig(
-            **session_args,
-            on_chunk_gap=metrics.AUDIO_CHUNK_GAP.observe,
-            on_first_audio=metrics.TIME_TO_FIRST_AUDIO.observe,
-            on_turn=metrics.TURNS.inc,
-            on_interrupt=metrics.BARGE_INS.inc,
-            on_error=lambda code: metrics.ERRORS.labels(code=code).inc(),
-            on_turn_end=lambda by: metrics.TURN_ENDS.labels(by=by).inc(),
-            on_smart_turn=metrics.SMART_TURN.observe,
-            on_speculation=lambda outcome: metrics.SPECULATIONS.labels(outcome=outcome).inc(),
-        )
+        return SessionConfig(**session_args)
 
     async def _serve_websocket(self, ws: WebSocket, serve) -> None:
         """Check the handshake before the upgrade (pipeline.admission: refused, it gets an HTTP
@@ -404,11 +396,12 @@ class Gateway:
             try:
                 cfg = session_options(self.session_cfg, hs.session_query)
             except ValueError as exc:
-                await refuse_options(conn, str(exc))
+                await refuse_options(conn, Session, str(exc))
                 return
             resumption = None if self.continuity is None else \
                 Resumption(self.continuity, self.gate.auth.principal(hs.headers, hs.query), hs.query)
-            await serve_connection(conn, self.backends, cfg, self.sessions, resumption=resumption, voices=self.voices)
+            await serve_connection(conn, self.backends, cfg, self.sessions, Session, resumption,
+                                   metrics.MetricsObserver(), voices=self.voices)
 
         await self._serve_websocket(ws, serve)
 
@@ -418,8 +411,8 @@ class Gateway:
         same admission and limits. ``?model=`` is echoed in the session; ``OpenAI-Beta:
         realtime=v1`` selects the beta event names."""
         async def serve(hs: Handshake, conn: WebSocketConnection) -> None:
-            await serve_connection(conn, self.backends, self.session_cfg, self.sessions, session_class=RealtimeSession,
-                                   voices=self.voices, model=hs.query.get("model") or "gapless",
+            await serve_connection(conn, self.backends, self.session_cfg, self.sessions, RealtimeSession,
+                                   observer=metrics.MetricsObserver(), voices=self.voices, model=hs.query.get("model") or "gapless",
                                    beta="realtime=v1" in hs.headers.get("openai-beta", ""))
 
         await self._serve_websocket(ws, serve)

@@ -2,8 +2,8 @@
 wire protocol.
 
 The gateway adapts its WebSocket to :class:`Connection` and hands it to :func:`serve_connection`
-with the session class of the endpoint's protocol (v1's ``pipeline.session.Session``, the
-Realtime protocol's ``pipeline.realtime.session.RealtimeSession``); tests drive the same code with
+with the adapter of the endpoint's protocol (a ``pipeline.adapters.wire.WireSession``: v1's
+``pipeline.adapters.v1.Session``, the Realtime protocol's ``pipeline.adapters.realtime.RealtimeSession``); tests drive the same code with
 an in-memory connection, so the session limits (``max_sessions``, ``idle_timeout_s``, the
 wall-clock side of ``max_turn_s``) are tested without Ray.
 """
@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from pipeline import protocol as P
+from pipeline import errors as P
+from pipeline.adapters.wire import WireSession
+from pipeline.conversation.observer import Observer
 from pipeline.engines import Backends, ClientGone
 from pipeline.keeper import Continuity, Keeper
 from pipeline.resume import RESUME_PARAM, ResumeRefused, received
-from pipeline.session import Session
 from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class SessionRegistry:
 
     def __init__(self, max_sessions: int, on_count: Callable[[int], None] | None = None):
         self.max_sessions = max_sessions
-        self._sessions: set[Session] = set()  # by identity: a resumed session shares its id with the one it replaces
+        self._sessions: set[WireSession] = set()  # by identity: a resumed session shares its id with the one it replaces
         self._on_count = on_count
         self._emptied = asyncio.Event()
         self.draining = False  # set by drain(): every session is asked to leave, new ones are refused
@@ -53,7 +54,7 @@ class SessionRegistry:
     def full(self) -> bool:
         return len(self._sessions) >= self.max_sessions
 
-    def add(self, session: Session) -> None:
+    def add(self, session: WireSession) -> None:
         """Hold ``session``; a session of the same id still here (a resume of a live connection) is
         told to leave: the newer connection wins. Both count until the older one has gone."""
         if self.full:
@@ -63,7 +64,7 @@ class SessionRegistry:
         self._sessions.add(session)
         self._changed()
 
-    def remove(self, session: Session) -> None:
+    def remove(self, session: WireSession) -> None:
         if session in self._sessions:
             self._sessions.remove(session)
             self._changed()
@@ -102,25 +103,28 @@ class Resumption:
 
 
 async def serve_connection(conn: Connection, backends: Backends, cfg: SessionConfig,
-                           registry: SessionRegistry, session_class: type = Session,
-                           resumption: Resumption | None = None, **session_args: Any) -> None:
+                           registry: SessionRegistry, session_class: type[WireSession],
+                           resumption: Resumption | None = None, observer: Observer | None = None,
+                           **session_args: Any) -> None:
     """Run one client's session (of ``session_class``, built with ``session_args`` besides its
-    send, backends and settings): refuse it if the replica is full, else greet it, feed it frames
+    send, backends, settings and metrics ``observer``): refuse it if the replica is full, else greet it, feed it frames
     until the client leaves or a limit closes it, and release everything it held. With
     ``resumption`` (and a resumable wire), the session is kept resumable, or resumes the one its
     ``?resume=`` token names."""
+    observer = observer or Observer()
     if registry.full or registry.draining:
-        await _refuse_busy(conn, cfg, registry.max_sessions, session_class)
+        await _refuse_busy(conn, observer, registry.max_sessions, session_class)
         return
     resumption = resumption if resumption is not None and session_class.resumable else None
     restored = await _take_snapshot(conn, resumption, session_class) if resumption is not None else None
     if restored is False:
         return
     if registry.full or registry.draining:
-        await _refuse_busy(conn, cfg, registry.max_sessions, session_class)
+        await _refuse_busy(conn, observer, registry.max_sessions, session_class)
         return
     snap, generation = restored or (None, 0)
-    session = session_class(conn.send, backends, cfg, session_id=snap.session_id if snap else None, **session_args)
+    session = session_class(conn.send, backends, cfg, session_id=snap.session_id if snap else None,
+                            observer=observer, **session_args)
     session.leaving = asyncio.Event()
     if snap is not None:
         session.restore(snap, generation, received(resumption.query))
@@ -166,7 +170,7 @@ async def _take_snapshot(conn: Connection, resumption: Resumption, session_class
     return False
 
 
-async def _leave(conn: Connection, session: Session, keeper: Keeper | None) -> None:
+async def _leave(conn: Connection, session: WireSession, keeper: Keeper | None) -> None:
     """The replica drains: the reply stops at a chunk, the conversation is saved as the client
     has it, the client is told to resume elsewhere (``going_away``), and the socket closes 1012.
     Or a newer connection resumed the session: this one is told so and closed with 4001."""
@@ -181,10 +185,9 @@ async def _leave(conn: Connection, session: Session, keeper: Keeper | None) -> N
     await conn.close(P.CLOSE_SERVICE_RESTART, "server restarting; resume")
 
 
-async def _refuse_busy(conn: Connection, cfg: SessionConfig, max_sessions: int, session_class: type) -> None:
+async def _refuse_busy(conn: Connection, observer: Observer, max_sessions: int, session_class: type) -> None:
     """Over the cap (or draining): one error and close 1013, before any session or engine state exists."""
-    if cfg.on_error:
-        cfg.on_error(P.E_SERVER_BUSY)
+    observer.error(P.E_SERVER_BUSY)
     message = f"this server holds its maximum of {max_sessions} sessions; try again later"
     await _refuse(conn, session_class, P.E_SERVER_BUSY, message, P.CLOSE_TRY_AGAIN_LATER, "server busy")
 
@@ -227,10 +230,10 @@ CLIENT_OPTIONS = {
 }
 
 
-async def refuse_options(conn: Connection, message: str) -> None:
+async def refuse_options(conn: Connection, session_class: type[WireSession], message: str) -> None:
     """A handshake with bad session options: one error, close 1008, nothing set up for it."""
     try:
-        await conn.send(P.pack(P.error(P.E_BAD_OPTION, message)))
+        await conn.send(session_class.error_frame(P.E_BAD_OPTION, message))
         await conn.close(P.CLOSE_POLICY_VIOLATION, "bad session option")
     except ClientGone:
         pass
@@ -239,7 +242,7 @@ async def refuse_options(conn: Connection, message: str) -> None:
 LEAVING = "leaving"  # what the receive loop returns when the session was asked to leave (a drain)
 
 
-async def _receive_loop(conn: Connection, session: Session) -> str | None:
+async def _receive_loop(conn: Connection, session: WireSession) -> str | None:
     """Frames go to the session in order; between frames the session's deadlines (the open turn's
     time cap, a pause's end, a tool call's filler and timeout, the idle limit) are checked, so a
     silent client is still served by its limits. A deadline set between frames (a tool call the
@@ -276,7 +279,7 @@ async def _receive_loop(conn: Connection, session: Session) -> str | None:
             frame_task.cancel()
 
 
-async def _close_quietly(conn: Connection, session: Session, code: str, message: str,
+async def _close_quietly(conn: Connection, session: WireSession, code: str, message: str,
                          close_code: int, reason: str) -> None:
     """The last word to a client that may already be gone."""
     try:

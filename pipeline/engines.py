@@ -143,10 +143,13 @@ class Backends(Protocol):
 
 
 async def bounded(call: Awaitable[T], timeout_s: float) -> T:
-    """One engine call that must answer within ``timeout_s`` (else :class:`EngineUnavailable`)."""
+    """One engine call that must answer within ``timeout_s`` (else :class:`EngineUnavailable`).
+    ``asyncio.timeout``, not ``wait_for``: Python 3.11's ``wait_for`` swallows a cancellation that
+    arrives as the call completes, and a cancelled reply then played on (tests/test_conversation.py)."""
     try:
-        return await asyncio.wait_for(call, timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):
+            return await call
+    except TimeoutError:
         raise EngineUnavailable(f"no answer within {timeout_s:g} s") from None
 
 
@@ -155,10 +158,11 @@ async def bounded_stream(stream: AsyncIterator[T], timeout_s: float) -> AsyncIte
     try:
         while True:
             try:
-                item = await asyncio.wait_for(anext(stream), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    item = await anext(stream)
             except StopAsyncIteration:
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise EngineUnavailable(f"no next item within {timeout_s:g} s") from None
             yield item
     finally:

@@ -17,14 +17,13 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
+from pipeline.audio_constants import USER_RATE
 from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, UnknownStream, bounded
 from pipeline.errors import E_ENGINE_UNAVAILABLE, E_NO_FREE_SLOT
 from pipeline.history import new_id
 from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
-
-INPUT_RATE = 16_000
 
 
 @dataclass
@@ -201,8 +200,8 @@ class Recogniser:
         except NoFreeSlot as exc:
             raise EngineUnavailable(f"no recogniser slot is free ({exc})") from None
         try:
-            for start in range(0, len(pcm), INPUT_RATE):
-                await self._engine(self.backends.stt_push(stream_id, pcm[start:start + INPUT_RATE]))
+            for start in range(0, len(pcm), USER_RATE):
+                await self._engine(self.backends.stt_push(stream_id, pcm[start:start + USER_RATE]))
             text, _ = await self._engine(self.backends.stt_finish(stream_id))
         except BaseException:
             await asyncio.shield(self._close_stream(stream_id))

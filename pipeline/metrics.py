@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metr
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the gateway
 
 from pipeline.auth import AuthConfig, bearer, load_tokens
+from pipeline.conversation.observer import Observer
 from pipeline.private_dir import ensure_private_dir
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -113,6 +114,32 @@ ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["c
 HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket requests refused before the "
                              "upgrade, by code (unauthorized, origin_not_allowed, too_many_handshakes, "
                              "too_many_sessions).", ["code"])
+
+
+class MetricsObserver(Observer):
+    """A conversation's observer that counts into this process's Prometheus series (the gateway's)."""
+
+    def chunk_gap(self, seconds: float) -> None:
+        AUDIO_CHUNK_GAP.observe(seconds)
+
+    def first_audio(self, seconds: float) -> None:
+        TIME_TO_FIRST_AUDIO.observe(seconds)
+
+    def turn_ended(self, by: str) -> None:
+        TURNS.inc()
+        TURN_ENDS.labels(by=by).inc()
+
+    def interrupted(self) -> None:
+        BARGE_INS.inc()
+
+    def error(self, code: str) -> None:
+        ERRORS.labels(code=code).inc()
+
+    def smart_turn(self, seconds: float) -> None:
+        SMART_TURN.observe(seconds)
+
+    def speculation(self, outcome: str) -> None:
+        SPECULATIONS.labels(outcome=outcome).inc()
 
 
 class NodeCollector:

@@ -7,7 +7,6 @@ connection gets it, or a copy with the client's options (``dataclasses.replace``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 from pipeline.vad import VADSettings
 
@@ -99,16 +98,6 @@ class SessionConfig:
     # Tool calls (docs/agents.md): a call without a result this long ends, and the reply says so.
     tool_timeout_s: float = 30.0
     tool_timeout_reply: str = "Sorry, I could not get that answer."
-    # Observers for metrics (the gateway wires them); called with seconds.
-    on_chunk_gap: Callable[[float], None] | None = None
-    on_first_audio: Callable[[float], None] | None = None
-    on_turn: Callable[[], None] | None = None
-    on_interrupt: Callable[[], None] | None = None
-    on_error: Callable[[str], None] | None = None
-    on_turn_end: Callable[[str], None] | None = None  # what ended a turn (see Session._end_turn)
-    on_smart_turn: Callable[[float], None] | None = None  # one Smart Turn call, seconds
-    on_speculation: Callable[[str], None] | None = None  # a preemptive LLM start's outcome: hit, miss, cancelled
-
     def __post_init__(self) -> None:
         for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s", "tool_timeout_s",
                      "max_sessions_per_client", "handshakes_per_minute", "max_audio_rate", "audio_burst_s",

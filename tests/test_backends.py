@@ -10,7 +10,7 @@ import pytest
 
 from deployments.gateway import RayBackends
 from pipeline.services import LocalBackends
-from pipeline.session import Backends
+from pipeline.engines import Backends
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLEMENTATIONS = [LocalBackends, RayBackends]
@@ -29,7 +29,7 @@ def test_the_protocol_has_the_session_calls():
 
 @pytest.mark.parametrize("cls", IMPLEMENTATIONS, ids=lambda c: c.__name__)
 def test_implementation_declares_the_protocol(cls):
-    assert Backends in cls.__mro__, f"{cls.__name__} must subclass pipeline.session.Backends"
+    assert Backends in cls.__mro__, f"{cls.__name__} must subclass pipeline.engines.Backends"
     assert not cls.__abstractmethods__, f"{cls.__name__} leaves {sorted(cls.__abstractmethods__)} unimplemented"
 
 

@@ -14,8 +14,9 @@ from pipeline.agent import MAX_SCHEMA_DEPTH, MAX_TOOLS_CHARS, AgentSettings, Bad
 from pipeline.conversation import Conversation, Refusal
 from pipeline.history import MAX_ITEM_CHARS, History, Item
 from pipeline.resume import SnapshotStore, new_token
+from pipeline.adapters.v1 import Session
 from pipeline.session_config import SessionConfig
-from tests.test_history_bound import FakeBackends, Quiet
+from tests.test_history_bound import FakeBackends, quiet
 
 
 class Clock:
@@ -28,7 +29,7 @@ class Clock:
 
 def _conv(clock=None, backends=None, **settings) -> Conversation:
     cfg = SessionConfig(turn_detection="manual", barge_in="off", vad_events=False, pace_lead_s=None, **settings)
-    return Conversation(Quiet(), backends or FakeBackends("Fine."), cfg, clock=clock or Clock())
+    return Conversation(quiet, backends or FakeBackends("Fine."), cfg, clock=clock or Clock())
 
 
 def test_replies_asked_for_are_rate_limited_and_refill():
@@ -57,10 +58,10 @@ def test_items_are_capped_and_an_assistant_flood_is_bounded():
     async def go():
         conv = _conv(max_history_chars=40_000)
         with pytest.raises(Refusal) as too_big:
-            await conv.add_item(Item("assistant", "a" * (MAX_ITEM_CHARS + 1)))
-        await conv.add_item(Item("user", "hello"))
-        flood = [await conv.add_item(Item("assistant", f"{i} " + "b" * 15_000)) for i in range(20)]
-        flood.append(await conv.add_item(Item.call("c1", "f", "{" + " " * 15_000 + "}")))
+            await conv.items.add(Item("assistant", "a" * (MAX_ITEM_CHARS + 1)))
+        await conv.items.add(Item("user", "hello"))
+        flood = [await conv.items.add(Item("assistant", f"{i} " + "b" * 15_000)) for i in range(20)]
+        flood.append(await conv.items.add(Item.call("c1", "f", "{" + " " * 15_000 + "}")))
         return too_big.value, conv.history, flood
 
     too_big, history, flood = asyncio.run(go())
@@ -117,11 +118,11 @@ def test_item_audio_pays_the_allowance_and_its_encodes_run_one_at_a_time():
         conv = _conv(Clock(), backends, audio_burst_s=30.0, max_audio_rate=2.0, max_turn_s=20.0)
         second = np.zeros(16_000, np.int16)
         with pytest.raises(Refusal) as too_long:
-            await conv.add_user_audio(np.concatenate([second] * 21))
+            await conv.items.add_user_audio(np.concatenate([second] * 21))
         for _ in range(3):
-            await conv.add_user_audio(np.concatenate([second] * 10))  # 30 s: the whole burst
+            await conv.items.add_user_audio(np.concatenate([second] * 10))  # 30 s: the whole burst
         with pytest.raises(Refusal) as too_fast:
-            await conv.add_user_audio(second)
+            await conv.items.add_user_audio(second)
         for _ in range(20):  # let every queued encode run as far as it can
             await asyncio.sleep(0)
         waiting = backends.started
@@ -213,7 +214,7 @@ def test_a_live_session_resumed_on_another_replica_is_closed_there():
 
     def connect(registry, query=None):
         conn = FakeConnection()
-        conn.served = asyncio.create_task(serve_connection(conn, backends, cfg, registry,
+        conn.served = asyncio.create_task(serve_connection(conn, backends, cfg, registry, Session,
                                                            resumption=Resumption(continuity, "p", query or {})))
         return conn
 

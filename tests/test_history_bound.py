@@ -16,7 +16,7 @@ import pytest
 from pipeline.conversation import Conversation
 from pipeline.history import History, Item, UnknownItem, item_chars
 from pipeline.llm import LLMConfig, approx_token_count, build_prompt, make_llm
-from pipeline.realtime.session import RealtimeSession
+from pipeline.adapters.realtime import RealtimeSession
 from pipeline.session_config import SessionConfig
 
 LONG = "Tell me more about the history of the harbour and its old lighthouse keepers, please. "  # 87 chars
@@ -116,7 +116,7 @@ def test_tiny_llm_prompt_stays_in_budget_after_200_long_typed_turns(tiny_llm):
         # the latest turn long too: over the budget alone, it is all that is kept, cut to the context
         history = _long_turns(200)
         ids = engine.prompt_ids(history)
-        assert len(ids) <= cfg.max_context_tokens - cfg.max_new_tokens
+        assert len(ids) <= cfg.max_context_tokens - cfg.max_output_tokens
         assert "199 Sure." not in engine.tokenizer.decode(ids)
     finally:
         del engine.count_prompt_tokens
@@ -153,13 +153,8 @@ class FakeBackends:
         return np.zeros((1, 32), np.int64)
 
 
-class Quiet:
-    """ConversationEvents that go nowhere."""
-
-    def __getattr__(self, name):
-        async def ignore(*args, **kwargs):
-            return None
-        return ignore
+async def quiet(event) -> None:
+    """A conversation's emit that goes nowhere."""
 
 
 def _quiet_cfg(**settings) -> SessionConfig:
@@ -178,7 +173,7 @@ def test_history_stays_under_its_cap_after_200_long_typed_turns():
     cap = cfg.max_history_chars
 
     async def go():
-        conv = Conversation(Quiet(), backends, cfg)
+        conv = Conversation(quiet, backends, cfg)
         first = None
         for i in range(200):
             item = await conv.user_text(user(i))

@@ -17,9 +17,9 @@ from pipeline import protocol as P
 from pipeline.agent import AgentSettings, BadSetting
 from pipeline.engines import Voice
 from pipeline.llm.config import LLMConfig
-from pipeline.realtime.session import RealtimeSession
+from pipeline.adapters.realtime import RealtimeSession
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService
-from pipeline.session import Session
+from pipeline.adapters.v1 import Session
 from pipeline.session_config import SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -37,7 +37,7 @@ TTS = TTSConfig.tiny(voices={"robot": ROBOT})
 def engines():
     # A slow LLM (20 ms a token): a reply's later clauses are still to come while its first one plays.
     return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
-                               LLMConfig.tiny(max_new_tokens=40, token_delay_s=0.02), TTS)
+                               LLMConfig.tiny(max_output_tokens=40, token_delay_s=0.02), TTS)
 
 
 @pytest.fixture

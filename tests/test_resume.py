@@ -14,6 +14,7 @@ from pipeline.keeper import Continuity
 from pipeline.llm.config import LLMConfig
 from pipeline.resume import BAD_TOKEN, EXPIRED, TAKEN, LocalSnapshots, ResumeRefused, Snapshot, SnapshotStore, new_token
 from pipeline.services import LocalBackends
+from pipeline.adapters.v1 import Session
 from pipeline.session_config import SessionConfig as _SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -110,7 +111,7 @@ def test_principals_follow_credentials_through_tickets():
 @pytest.fixture(scope="module")
 def engines():
     return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
-                               LLMConfig.tiny(token_delay_s=0.02, max_new_tokens=60), TTSConfig.tiny())
+                               LLMConfig.tiny(token_delay_s=0.02, max_output_tokens=60), TTSConfig.tiny())
 
 
 def SessionConfig(**settings) -> _SessionConfig:
@@ -128,7 +129,7 @@ class Replica:
     def connect(self, query: dict | None = None, principal: str | None = None):
         conn = FakeConnection()
         resumption = Resumption(self.continuity, principal or self.principal, dict(query or {}))
-        conn.served = asyncio.create_task(serve_connection(conn, self.backends, self.cfg, self.registry,
+        conn.served = asyncio.create_task(serve_connection(conn, self.backends, self.cfg, self.registry, Session,
                                                            resumption=resumption))
         return conn
 
@@ -347,7 +348,7 @@ def test_a_store_that_fails_gets_server_busy_and_nothing_else():
         registry = SessionRegistry(4)
         conn = FakeConnection()
         resumption = Resumption(Continuity(Gone(), window_s=30), "anyone", {"resume": "sess_x.0.secret"})
-        await asyncio.wait_for(serve_connection(conn, None, SessionConfig(), registry, resumption=resumption), 10)
+        await asyncio.wait_for(serve_connection(conn, None, SessionConfig(), registry, Session, resumption=resumption), 10)
         return conn, len(registry)
 
     conn, registered = asyncio.run(go())
@@ -360,7 +361,7 @@ def test_a_draining_replica_closes_realtime_sessions_with_1012(engines):
     draining replica closes them with 1012 all the same."""
     import json
 
-    from pipeline.realtime.session import RealtimeSession
+    from pipeline.adapters.realtime import RealtimeSession
 
     class JsonConnection(FakeConnection):
         async def send(self, frame: str) -> None:

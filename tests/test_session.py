@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 
 from pipeline import protocol as P
-from pipeline import session as session_module
+from pipeline.adapters import v1 as session_module
 from pipeline.audio import speech_like
+from pipeline.conversation.observer import Observer
 from pipeline.connection import ClientGone, SessionRegistry, serve_connection
 from pipeline.llm.config import LLMConfig
 from pipeline.runtime import InferenceThread
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService, load_stt
-from pipeline.session import Session
-from pipeline.session import SessionConfig as _SessionConfig
+from pipeline.adapters.v1 import Session
+from pipeline.session_config import SessionConfig as _SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
 
@@ -33,7 +34,7 @@ def engines():
     # A deliberately slow LLM (20 ms per token) so that the reply outlasts its first clause.
     # No endpointing: on random weights a run of blanks comes by chance and would split turns.
     return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
-                               LLMConfig.tiny(token_delay_s=0.02, max_new_tokens=40),
+                               LLMConfig.tiny(token_delay_s=0.02, max_output_tokens=40),
                                TTSConfig.tiny())
 
 
@@ -361,8 +362,18 @@ def test_slot_held_only_during_spoken_turn(backends):
     assert rec.errors() == []
 
 
+class Counted(Observer):
+    """An observer that hands each error code it hears to ``on_error``."""
+
+    def __init__(self, on_error):
+        self.on_error = on_error
+
+    def error(self, code: str) -> None:
+        self.on_error(code)
+
+
 class FakeClock:
-    """Stands in for the ``time`` module inside pipeline.session: time moves only when told."""
+    """Stands in for the ``time`` module inside pipeline.adapters.v1: time moves only when told."""
 
     def __init__(self):
         self.now = 1000.0
@@ -509,7 +520,7 @@ def test_silent_client_mid_turn_is_ended_by_max_turn(backends):
         conn = FakeConnection()
         registry = SessionRegistry(4)
         served = asyncio.create_task(serve_connection(conn, backends, SessionConfig(pace_lead_s=None, max_turn_s=1.0),
-                                                      registry))
+                                                      registry, Session))
         conn.inbox.put_nowait(P.client_audio(speech_like(0.3, seed=2)))
         await conn.rec.wait(lambda m: m["type"] == "error", timeout=30)
         await conn.rec.wait(_done(1))
@@ -532,7 +543,7 @@ def test_idle_timeout_closes_a_quiet_session_after_its_reply(backends):
         conn = FakeConnection()
         registry = SessionRegistry(4)
         cfg = SessionConfig(pace_lead_s=None, idle_timeout_s=idle_s)
-        served = asyncio.create_task(serve_connection(conn, backends, cfg, registry))
+        served = asyncio.create_task(serve_connection(conn, backends, cfg, registry, Session))
         conn.inbox.put_nowait(P.client_text("Tell me a long story."))
         await asyncio.wait_for(conn.closed.wait(), 30)
         await asyncio.wait_for(served, 30)
@@ -562,7 +573,7 @@ def test_server_busy_over_max_sessions(backends):
         registry = SessionRegistry(2)
         cfg = SessionConfig(pace_lead_s=None, max_sessions=2)
         conns = [FakeConnection() for _ in range(4)]
-        tasks = [asyncio.create_task(serve_connection(c, spy, cfg, registry)) for c in conns[:3]]
+        tasks = [asyncio.create_task(serve_connection(c, spy, cfg, registry, Session)) for c in conns[:3]]
         await asyncio.wait_for(tasks[2], 10)  # the third returns at once: refused
         for c in conns[:2]:
             await c.rec.wait(lambda m: m["type"] == "session.ready")
@@ -571,7 +582,7 @@ def test_server_busy_over_max_sessions(backends):
         await conns[1].rec.wait(_done(1))
         conns[0].leave()
         await asyncio.wait_for(tasks[0], 10)
-        tasks.append(asyncio.create_task(serve_connection(conns[3], spy, cfg, registry)))
+        tasks.append(asyncio.create_task(serve_connection(conns[3], spy, cfg, registry, Session)))
         await conns[3].rec.wait(lambda m: m["type"] == "session.ready")
         for c, t in ((conns[1], tasks[1]), (conns[3], tasks[3])):
             c.leave()
@@ -832,7 +843,7 @@ def test_a_client_gone_mid_reply_is_no_error(backends, caplog):
                 if sent["audio"] == 2:
                     raise ClientGone()
 
-        s = Session(send, backends, SessionConfig(pace_lead_s=None, on_error=counted.append))
+        s = Session(send, backends, SessionConfig(pace_lead_s=None), observer=Counted(counted.append))
         await s.start()
         await s.on_frame(P.client_text("Tell me a long story, please."))
         await s.core.reply.task

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline import services as services_module
 from pipeline.services import STTService
-from pipeline.session import UnknownStream
+from pipeline.engines import UnknownStream
 from pipeline.stt.engine import NoFreeSlot, STTEvent
 
 

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from pipeline import protocol as P
-from pipeline.engines import LLMFinish, ToolCall
+from pipeline.engines import LLMFinish, Sampling, ToolCall
 from pipeline.llm import make_llm
 from pipeline.llm.config import LLMConfig
 from pipeline.llm.constraint import CallConstraint
@@ -23,6 +23,7 @@ from pipeline.services import LLMService, LocalBackends, STTService, TTSService
 from pipeline.session_config import SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
+from pipeline.adapters.v1 import Session
 from tests.test_session import Recorder
 
 # Four schemas: a nested object, an enum, an array, number ranges.
@@ -61,7 +62,8 @@ def _forced_calls(llm, tools=TOOLS, n=20) -> list[tuple[dict, str]]:
     out = []
     for i in range(n):
         tool = tools[i % len(tools)]
-        stream = llm.stream(ASK, tools=tools, tool_choice={"type": "function", "name": tool["name"]}, seed=100 + i)
+        stream = llm.stream(ASK, Sampling(tools=tuple(tools), tool_choice={"type": "function", "name": tool["name"]}),
+                            seed=100 + i)
         items = (parser := ToolCallParser()).push("".join(stream)) + parser.flush()
         calls = [item for item in items if isinstance(item, ToolCall)]
         out.append((tool, calls[0].arguments if calls and calls[0].name == tool["name"] else None))
@@ -131,7 +133,7 @@ def test_auto_parses_the_models_own_call_and_streams_the_text_before_it(llm, mon
     thread = InferenceThread("llm-tools")
 
     async def go():
-        return [item async for item in LLMService(llm, thread).stream(ASK, tools=[WEATHER], max_tokens=200)]
+        return [item async for item in LLMService(llm, thread).stream(ASK, Sampling(tools=(WEATHER,), max_output_tokens=200))]
 
     items = asyncio.run(go())
     thread.shutdown()
@@ -201,7 +203,7 @@ def test_openai_backend_assembles_calls_from_deltas_and_a_slow_upstream_holds_no
     service = LLMService(engine, thread)
 
     async def collect():
-        return [item async for item in service.stream(ASK, tools=[WEATHER], tool_choice="required")]
+        return [item async for item in service.stream(ASK, Sampling(tools=(WEATHER,), tool_choice="required"))]
 
     async def go():
         held = asyncio.create_task(collect())
@@ -279,7 +281,7 @@ async def _session(backends, cfg: dict | None = None, **settings):
 
     conn, registry = MemoryConnection(), Registry()
     session_cfg = SessionConfig(turn_detection="manual", barge_in="words", pace_lead_s=None, **(cfg or {}))
-    task = asyncio.create_task(serve_connection(conn, backends, session_cfg, registry))
+    task = asyncio.create_task(serve_connection(conn, backends, session_cfg, registry, Session))
     conn.say({"type": "session.update", "tools": [WEATHER], "tool_choice": "required", **settings})
     await conn.rec.wait(lambda m: m["type"] in ("session.updated", "error"))
     return conn, task, registry

@@ -12,11 +12,13 @@ import pytest
 from load import speech
 from load.speakerphone import Speakerphone
 from pipeline import protocol as P
+from pipeline.conversation.observer import Observer
 from pipeline.echo import EchoCanceller
 from pipeline.listening import Listener
 from pipeline.llm.config import LLMConfig
 from pipeline.services import LocalBackends
-from pipeline.session import Session, SessionConfig
+from pipeline.adapters.v1 import Session
+from pipeline.session_config import SessionConfig
 from pipeline.smart_turn import shared_model as smart_turn
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -104,6 +106,16 @@ def test_smart_turn_equals_pipecat_analyzer(sentence):
 
 
 # ----------------------------------------------------------------------------- echo
+class TurnEnds(Observer):
+    """An observer that keeps what ended each turn."""
+
+    def __init__(self, ended_by: list):
+        self.ended_by = ended_by
+
+    def turn_ended(self, by: str) -> None:
+        self.ended_by.append(by)
+
+
 def _speakerphone(reply_16k: np.ndarray, delay_s: float = 0.15, gain_db: float = -10) -> np.ndarray:
     d = int(delay_s * RATE)
     return np.concatenate([np.zeros(d), reply_16k * 10 ** (gain_db / 20)])
@@ -197,7 +209,7 @@ def test_echo_canceller_passes_audio_untouched_when_nothing_plays(sentence):
 @pytest.fixture(scope="module")
 def engines():
     return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
-                               LLMConfig.tiny(token_delay_s=0.02, max_new_tokens=40), TTSConfig.tiny())
+                               LLMConfig.tiny(token_delay_s=0.02, max_output_tokens=40), TTSConfig.tiny())
 
 
 class Recorder:
@@ -235,7 +247,7 @@ def test_hands_free_turns_without_turn_end(engines, sentence):
 
     async def go():
         rec = Recorder()
-        s = Session(rec, engines, SessionConfig(pace_lead_s=None, barge_in="off", on_turn_end=ended_by.append))
+        s = Session(rec, engines, SessionConfig(pace_lead_s=None, barge_in="off"), observer=TurnEnds(ended_by))
         await s.start()
         await _stream(s, audio)
         await rec.wait(lambda r: len(r.of("response.done")) == 2)
@@ -275,7 +287,8 @@ def test_incomplete_pause_ends_the_turn_after_max_silence(engines):
 
     async def go(streamed_silence: bool):
         rec = Recorder()
-        s = Session(rec, engines, SessionConfig(pace_lead_s=None, eot_max_silence_ms=800, on_turn_end=ended_by.append))
+        s = Session(rec, engines, SessionConfig(pace_lead_s=None, eot_max_silence_ms=800),
+                    observer=TurnEnds(ended_by))
         await s.start()
         await _stream(s, half)
         assert not rec.of("transcript.final")  # 400 ms of silence: past speech.stopped, under 800 ms

@@ -17,7 +17,9 @@ from typing import Callable, Protocol
 import numpy as np
 
 from pipeline.agent import AgentSettings
+from pipeline.audio_constants import REPLY_RATE
 from pipeline.clauses import ClauseSplitter
+from pipeline.conversation.observer import Observer
 from pipeline.engines import (BOT_SPEAKER, Backends, ClientGone, EngineBusy, EngineUnavailable, LLMFinish, Segment,
                               ToolCall, Voice, bounded_stream)
 from pipeline.errors import E_ENGINE_UNAVAILABLE, E_INTERNAL, E_SERVER_BUSY
@@ -25,7 +27,6 @@ from pipeline.history import new_id
 from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
-OUTPUT_RATE = 24_000
 
 # Reply statuses (the Realtime protocol's names): how a reply ended.
 IN_PROGRESS, COMPLETED, CANCELLED, INCOMPLETE, FAILED = "in_progress", "completed", "cancelled", "incomplete", "failed"
@@ -37,6 +38,7 @@ class ReplyHost(Protocol):
     cfg: SessionConfig
     backends: Backends
     clock: Callable[[], float]
+    observer: Observer  # pipeline/conversation/observer.py
 
     def tts_context(self) -> list[Segment]: ...  # the conversation's TTS context now
     def reply_voice(self, reply: "Reply") -> Voice | None: ...  # the voice of the reply's next clause
@@ -111,6 +113,11 @@ class Reply:
         """The text whose audio was sent."""
         return " ".join(clause for _, clause in self.spoken)
 
+    @property
+    def transcript(self) -> str:
+        """What the history keeps of it: a cut reply, what was said; else all the LLM wrote."""
+        return self.said if self.status == CANCELLED else self.text.strip()
+
     # ------------------------------------------------------------------ text
     async def _run(self) -> None:
         if self.messages is not None:
@@ -151,7 +158,7 @@ class Reply:
             elif self.llm is not None:
                 llm = self.llm
             else:
-                llm = host.backends.llm_stream(self.messages, **self.settings.llm_options().overrides())
+                llm = host.backends.llm_stream(self.messages, sampling=self.settings.sampling())
             # aclosing: a cancelled reply closes the engine stream before the cancellation goes on (its
             # clean-up is queued on the inference thread by then), not whenever the collector finds it.
             async with contextlib.aclosing(bounded_stream(llm, cfg.engine_timeout_s)) as deltas:
@@ -217,18 +224,17 @@ class Reply:
                 if self.first_audio_at is None:
                     self.first_audio_at = now
                     self._mark("first_audio_ms", started)
-                    if cfg.on_first_audio:
-                        cfg.on_first_audio(now - self.ended_at)
+                    host.observer.first_audio(now - self.ended_at)
                 elif cfg.pace_lead_s is not None:
-                    ahead = self.samples / OUTPUT_RATE - (now - self.first_audio_at)
+                    ahead = self.samples / REPLY_RATE - (now - self.first_audio_at)
                     if ahead > cfg.pace_lead_s:
                         await asyncio.sleep(ahead - cfg.pace_lead_s)
                     if self.paused:  # paused while it waited to send
                         await self._playing.wait()
                         last_at = None
                 now = host.clock()
-                if last_at is not None and cfg.on_chunk_gap:
-                    cfg.on_chunk_gap(now - last_at)
+                if last_at is not None:
+                    host.observer.chunk_gap(now - last_at)
                 last_at = now
                 if clause is not None:  # the first chunk of a clause: it starts playing now (not before
                     self.spoken.append((self.samples, clause))  # the pace's wait: cut there, it was never said)
@@ -273,7 +279,6 @@ class Reply:
                     made_text.append(clause)
         finally:
             chunks.put_nowait(None)
-
 
 
 async def _scripted(text: str):

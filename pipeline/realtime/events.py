@@ -84,3 +84,73 @@ def beta(event: dict) -> dict:
         event["item"] = dict(it, content=[dict(p, type=BETA_PARTS.get(p.get("type"), p.get("type")))
                                           for p in it["content"]])
     return event
+
+
+# Sequences: what one thing the conversation did looks like on this wire, in order.
+def items_added(it: dict, previous: str | None) -> list[dict]:
+    return [{"type": "conversation.item.added", "previous_item_id": previous, "item": it},
+            {"type": "conversation.item.done", "previous_item_id": previous, "item": it}]
+
+
+def user_turn(it: Item, previous: str | None, transcription: bool, seconds: float) -> list[dict]:
+    """A user item joined the conversation; with transcription on, its transcript follows."""
+    events = items_added(item(it), previous)
+    if transcription:
+        if it.text:
+            events.append({"type": "conversation.item.input_audio_transcription.delta", "item_id": it.id,
+                           "content_index": 0, "delta": it.text})
+        events.append({"type": "conversation.item.input_audio_transcription.completed", "item_id": it.id,
+                       "content_index": 0, "transcript": it.text,
+                       "usage": {"type": "duration", "seconds": round(seconds, 3)}})
+    return events
+
+
+def at(response_id: str, item_id: str) -> dict:
+    return {"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0}
+
+
+def reply_opened(response_id: str, item_id: str, speaks: bool, previous: str | None) -> list[dict]:
+    """A reply's assistant item and its content part, opened."""
+    started = reply_item(item_id, speaks, None, "in_progress")
+    part = {"type": "audio", "transcript": ""} if speaks else {"type": "text", "text": ""}
+    return [{"type": "response.output_item.added", "response_id": response_id, "output_index": 0, "item": started},
+            {"type": "conversation.item.added", "previous_item_id": previous, "item": started},
+            {"type": "response.content_part.added", **at(response_id, item_id), "part": part}]
+
+
+def reply_closed(response_id: str, item_id: str, speaks: bool, transcript: str, status: str,
+                 audio_tail: str | None) -> tuple[list[dict], dict]:
+    """A reply's content and item, closed: the events and the item as the response lists it."""
+    where, events = at(response_id, item_id), []
+    if speaks:
+        if audio_tail:
+            events.append({"type": "response.output_audio.delta", **where, "delta": audio_tail})
+        events += [{"type": "response.output_audio.done", **where},
+                   {"type": "response.output_audio_transcript.done", **where, "transcript": transcript}]
+        part = {"type": "audio", "transcript": transcript}
+    else:
+        events.append({"type": "response.output_text.done", **where, "text": transcript})
+        part = {"type": "text", "text": transcript}
+    closed = reply_item(item_id, speaks, transcript, status)
+    events += [{"type": "response.content_part.done", **where, "part": part},
+               {"type": "conversation.item.done", "previous_item_id": None, "item": closed},
+               {"type": "response.output_item.done", "response_id": response_id, "output_index": 0, "item": closed}]
+    return events, closed
+
+
+def function_call(response_id: str, output_index: int, it: Item, previous: str | None) -> list[dict]:
+    """A function call of a running response, whole (its arguments in one delta)."""
+    where = {"response_id": response_id, "output_index": output_index}
+    args = {**where, "item_id": it.id, "call_id": it.call_id}
+    return [{"type": "response.output_item.added", **where, "item": item(it, "in_progress")},
+            {"type": "conversation.item.added", "previous_item_id": previous, "item": item(it, "in_progress")},
+            {"type": "response.function_call_arguments.delta", **args, "delta": it.arguments},
+            {"type": "response.function_call_arguments.done", **args, "name": it.name, "arguments": it.arguments},
+            {"type": "conversation.item.done", "previous_item_id": previous, "item": item(it)},
+            {"type": "response.output_item.done", **where, "item": item(it)}]
+
+
+def status_details(status: str, reason: str | None) -> dict | None:
+    return {"completed": None, "cancelled": {"type": "cancelled", "reason": reason},
+            "incomplete": {"type": "incomplete", "reason": reason},
+            "failed": {"type": "failed", "error": {"type": SERVER_ERROR, "code": reason}}}[status]

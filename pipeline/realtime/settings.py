@@ -244,3 +244,23 @@ def response_overrides(params: dict) -> dict[str, Any]:
     if voice is not None:
         out["voice"] = voice.get("id") if isinstance(voice, dict) else voice
     return out
+
+
+def describe(session: dict, voice_clip: dict | None, beta: bool) -> dict:
+    """The session object a client reads back (session.created / .updated): with what it says of
+    the session's own voice clip, and for a beta client the flat fields beside the GA ones."""
+    session = copy.deepcopy(session)
+    if voice_clip is not None:
+        session["audio"]["output"]["voice_clip"] = voice_clip
+    if beta:
+        audio = session["audio"]
+        session.update(modalities=["text", "audio"] if session["output_modalities"] == ["audio"] else ["text"],
+                       voice=audio["output"].get("voice"), turn_detection=audio["input"].get("turn_detection"),
+                       input_audio_transcription=audio["input"].get("transcription"),
+                       input_audio_format=_beta_format(audio["input"]["format"]),
+                       output_audio_format=_beta_format(audio["output"]["format"]))
+    return session
+
+
+def _beta_format(fmt: dict) -> str:
+    return {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(fmt.get("type"), "pcm16")

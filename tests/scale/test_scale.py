@@ -260,7 +260,7 @@ def test_unknown_stream_is_answered_clearly(cluster):
     code = f"""
 import ray, numpy as np
 from ray import serve
-from pipeline.session import UnknownStream
+from pipeline.engines import UnknownStream
 ray.init(address="{ADDRESS}", namespace="serve", logging_level="ERROR")
 h = serve.get_deployment_handle("STT", app_name="gapless")
 try:

@@ -1,0 +1,273 @@
+"""Turn-taking: when the user speaks, and when their turn is over.
+
+A :class:`TurnTaker` owns a conversation's ears (echo cancellation and VAD), its recogniser slot
+(``pipeline/hearing.py``), Smart Turn and the audio allowance. It hears each microphone frame and
+yields what it decided, in order: speech long enough to barge in, words heard, a pause, a turn
+over. It knows nothing of replies: the conversation acts on each decision before the next is made
+(a turn the frame ended is concluded before the rest of the frame opens the next one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+import numpy as np
+
+from pipeline.allowance import Allowance
+from pipeline.audio_constants import USER_RATE
+from pipeline.conversation.events import Emit, SpeechStarted, SpeechStopped
+from pipeline.engines import Backends, EngineUnavailable
+from pipeline.errors import E_AUDIO_TOO_FAST, E_ENGINE_UNAVAILABLE, E_TURN_TOO_LONG
+from pipeline.hearing import Recogniser, UserTurn
+from pipeline.listening import Listener
+from pipeline.session_config import SessionConfig
+from pipeline.vad import VADEvent
+
+SERVER_ENDS = ("smart_turn", "silence", "endpoint", "max_turn")  # what ends a turn hands-free
+
+
+@dataclass(frozen=True)
+class SpeechOver:
+    """The VAD has heard speech long enough to barge in (``barge_in_min_speech_ms``)."""
+
+
+@dataclass(frozen=True)
+class Words:
+    """The recogniser heard words of the open turn; ``may_barge_in``: loud enough, and not possibly
+    the reply's own echo."""
+
+    delta: str
+    text: str  # the turn's partial transcript so far
+    may_barge_in: bool
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Hands-free speech stopped: Smart Turn judges the turn next."""
+
+
+@dataclass(frozen=True)
+class SpeakingOn:
+    """Speech again after a pause: the turn goes on."""
+
+
+@dataclass(frozen=True)
+class TurnOver:
+    by: str  # smart_turn, silence, endpoint or max_turn
+
+
+@dataclass(frozen=True)
+class Heard:
+    """A spoken turn, concluded: its transcript, word times and audio (None: none was kept)."""
+
+    text: str
+    words: list[dict] | None
+    audio: np.ndarray | None
+
+
+Decision = SpeechOver | Words | Pause | SpeakingOn | TurnOver
+
+
+class TurnTaker:
+    def __init__(self, backends: Backends, stream_id: str, settings: Callable[[], SessionConfig],
+                 clock: Callable[[], float], emit: Emit, error: Callable[[str, str], Awaitable[None]],
+                 smart_turn=None, observe_smart_turn: Callable[[float], None] = lambda s: None):
+        self.settings, self.clock, self.emit, self.error = settings, clock, emit, error
+        cfg = settings()
+        self.recogniser = Recogniser(backends, stream_id, settings, clock, error)
+        self.smart_turn = smart_turn
+        self.observe_smart_turn = observe_smart_turn
+        self.ears: Listener | None = None
+        self.configure(cfg)
+        self.allowance = Allowance(cfg.max_audio_rate, cfg.audio_burst_s, clock)  # audio seconds
+        self.ended_by_server = False  # hands-free: the last spoken turn was ended by the server, no speech since
+        self.eot_probabilities: list[float] = []  # Smart Turn's last verdicts (at most 100), for tests and tools
+        self.heard_s = 0.0  # user audio heard since the last turn ended
+
+    @property
+    def heard(self) -> UserTurn:
+        """The spoken turn being heard (or the next one's id, before it starts)."""
+        return self.recogniser.turn
+
+    def configure(self, cfg: SessionConfig) -> None:
+        """Ears when any setting uses the VAD; Smart Turn for hands-free turns."""
+        if cfg.uses_vad and self.ears is None:
+            self.ears = Listener(cfg.vad_settings, cfg.echo_cancellation)
+        if self.ears is not None:
+            self.ears.vad.settings = cfg.vad_settings
+        if self.smart_turn is None and cfg.turn_detection == "vad" and cfg.eot_threshold > 0:
+            from pipeline.smart_turn import shared_model
+
+            self.smart_turn = shared_model()
+
+    # ------------------------------------------------------------------ hearing
+    async def hear(self, pcm: np.ndarray) -> AsyncIterator[Decision]:
+        """One microphone frame: the ears hear it first (speech events go out); then it goes to the
+        open turn, or opens one (any audio in manual mode, speech with its pre-roll hands-free);
+        then a pause may end the turn. Audio faster than the allowance is dropped, told once."""
+        cfg = self.settings()
+        if not await self._paid(len(pcm) / USER_RATE, cfg):
+            return
+        self.heard_s += len(pcm) / USER_RATE
+        if self.ears is None:
+            async for decision in self._audio(pcm, cfg):
+                yield decision
+            return
+        events = self.ears.hear(pcm)
+        if cfg.vad_events:
+            for ev in events:
+                kind = SpeechStarted if ev.kind == "speech.started" else SpeechStopped
+                await self.emit(kind(1000 * ev.sample / USER_RATE, self.heard.item_id))
+        if "vad" in cfg.barge_in_mode and self.ears.vad.speech_ms >= cfg.barge_in_min_speech_ms:
+            yield SpeechOver()
+        if cfg.turn_detection == "manual" or self.heard.open:
+            turn_audio = pcm
+        else:
+            onset = next((ev.sample for ev in events if ev.kind == "speech.started"), None)
+            preroll = int(cfg.vad_preroll_ms * USER_RATE / 1000)
+            # speech goes on after a turn ended mid-speech (turn.end, max_turn_s): it opens the next
+            turn_audio = self.ears.since(onset - preroll) if onset is not None else pcm if self.ears.speaking else None
+        if turn_audio is not None:
+            async for decision in self._audio(turn_audio, cfg):
+                yield decision
+        if cfg.turn_detection == "vad" and self.heard.open:
+            async for decision in self._pause(events, cfg):
+                yield decision
+
+    async def _paid(self, seconds: float, cfg: SessionConfig) -> bool:
+        if self.allowance.take(seconds):
+            return True
+        if not self.allowance.told:
+            self.allowance.told = True
+            await self.error(E_AUDIO_TOO_FAST, f"microphone audio is arriving faster than {cfg.max_audio_rate:g}x "
+                                               "real time; frames are dropped until it slows down")
+        return False
+
+    async def _audio(self, pcm: np.ndarray, cfg: SessionConfig) -> AsyncIterator[Decision]:
+        """Audio of the open spoken turn, or the first of a new one. The frame that brings a turn to
+        max_turn_s ends it there; the rest of that frame starts the next turn."""
+        max_samples = max(1, int(cfg.max_turn_s * USER_RATE))
+        while pcm.size:
+            if not self.heard.open:
+                self.ended_by_server = False
+                await self.recogniser.begin()
+            elif not self.heard.holds_slot:
+                await self.recogniser.retry()
+            if not self.heard.holds_slot:
+                return  # a refused turn: its audio is dropped
+            room = max_samples - self.heard.samples
+            for ev in await self.recogniser.push(pcm[:room]):
+                if ev["kind"] == "partial" and ev["text"]:
+                    self.heard.partial += ev["text"]
+                    yield Words(ev["text"], self.heard.partial, self._may_barge_in_by_words(cfg))
+                elif ev["kind"] == "endpoint":
+                    yield TurnOver("endpoint")
+                    break
+            pcm = pcm[room:]
+            if self.heard.open and self.heard.samples >= max_samples:
+                yield TurnOver("max_turn")
+
+    def _may_barge_in_by_words(self, cfg: SessionConfig) -> bool:
+        """Words from loud enough audio, unless the microphone may carry the reply's echo (the
+        recogniser hears the raw audio) and the VAD, judging the echo-cancelled audio, hears none."""
+        if not ("words" in cfg.barge_in_mode and self.heard.loud and self.heard.partial.strip()):
+            return False
+        echo = self.ears.echo if self.ears is not None else None
+        return echo is None or not echo.use_cancelled or self.ears.speaking
+
+    async def _pause(self, events: list[VADEvent], cfg: SessionConfig) -> AsyncIterator[Decision]:
+        """Hands-free end of turn: at speech.stopped, Smart Turn judges the turn's audio; complete
+        ends the turn now, incomplete waits for speech again or eot_max_silence_ms of silence. With
+        ``eot_threshold`` 0 every pause ends the turn (no model call)."""
+        heard = self.heard
+        if self.ears.speaking:
+            heard.eot_deadline = None
+            yield SpeakingOn()
+            return
+        if any(ev.kind == "speech.stopped" for ev in events):
+            yield Pause()
+            if await self._complete(heard, cfg) and not self.ears.speaking:
+                yield TurnOver("smart_turn")
+                return
+            heard.eot_deadline = self.clock() + max(0.0, (cfg.eot_max_silence_ms - self.ears.vad.silence_ms) / 1000)
+        if heard.eot_deadline is not None and self.ears.vad.silence_ms >= cfg.eot_max_silence_ms:
+            yield TurnOver("silence")
+
+    async def _complete(self, heard: UserTurn, cfg: SessionConfig) -> bool:
+        if cfg.eot_threshold <= 0:
+            return True
+        started = self.clock()
+        p = await self.smart_turn.probability_async(heard.joined_audio())
+        self.observe_smart_turn(self.clock() - started)
+        self.eot_probabilities.append(p)
+        del self.eot_probabilities[:-100]
+        return p >= cfg.eot_threshold
+
+    async def too_long_error(self) -> None:
+        await self.error(E_TURN_TOO_LONG, f"a spoken turn lasts at most {self.settings().max_turn_s:g} s; "
+                                          "it ends here as if turn.end had arrived")
+
+    # ------------------------------------------------------------------ ending turns
+    def ended_already(self) -> bool:
+        """The client ends a turn that the server ended already, with no speech since: not twice
+        (it is no new, empty turn). True once."""
+        if self.ended_by_server and not self.heard.open:
+            self.ended_by_server = False
+            return True
+        return False
+
+    async def conclude(self, by: str, finished: tuple[str, list[dict]] | None = None) -> Heard | None:
+        """The spoken turn is over: its transcript (``finished``: already had from a peek in this
+        frame), with the slot given back. None when nothing was heard (its slot was refused) or the
+        recogniser failed (the client is told): the turn is dropped, and no number is used."""
+        heard = self.heard
+        if heard.open and not heard.holds_slot:
+            self.recogniser.drop()
+            return None
+        if finished is not None:
+            self.recogniser.let_go()  # its transcript is known: the stream closes in the background
+        elif heard.open:
+            try:
+                finished = await self.recogniser.finish()  # gives the slot back
+            except EngineUnavailable as exc:
+                self.recogniser.drop()
+                await self.error(E_ENGINE_UNAVAILABLE, f"the recogniser did not finish this turn ({exc}); "
+                                 "its audio is lost (the session stays open; speak again)")
+                return None
+        else:
+            finished = ("", None)
+        self.recogniser.drop()
+        self.ended_by_server = self.settings().turn_detection == "vad" and by in SERVER_ENDS
+        text, words = finished
+        return Heard(text, words, heard.joined_audio() if heard.audio else None)
+
+    def take_heard_s(self) -> float:
+        seconds, self.heard_s = self.heard_s, 0.0
+        return seconds
+
+    def paid_item_audio(self, seconds: float) -> bool:
+        """An audio item pays its seconds from the same allowance as the microphone."""
+        return self.allowance.take(seconds)
+
+    async def clear(self) -> None:
+        """Drop the open turn's audio, giving its slot back."""
+        await self.recogniser.release()
+        self.recogniser.drop()
+        self.heard_s = 0.0
+
+    # ------------------------------------------------------------------ deadlines
+    def turn_deadline(self) -> float | None:
+        """When the open turn has held its slot for ``max_turn_s``."""
+        if self.heard.open and self.heard.holds_slot:
+            return self.heard.slot_taken_at + self.settings().max_turn_s
+        return None
+
+    def due(self) -> TurnOver | None:
+        """A deadline that has passed: a pause's end (silence) or the slot's hold (max_turn)."""
+        now = self.clock()
+        if self.heard.eot_deadline is not None and now >= self.heard.eot_deadline:
+            return TurnOver("silence")
+        at = self.turn_deadline()
+        if at is not None and now >= at:
+            return TurnOver("max_turn")
+        return None

@@ -1,0 +1,69 @@
+"""The TTS context of one conversation (CSM): the turns with audio so far, oldest first, at most
+``context_turns``. User turns' audio is encoded once, in the background beside the LLM's first
+tokens; bot turns bring the codes they were generated with."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import numpy as np
+
+from pipeline.engines import BOT_SPEAKER, USER_SPEAKER, Backends, EngineUnavailable, Segment, bounded
+from pipeline.session_config import SessionConfig
+
+log = logging.getLogger(__name__)
+
+
+class VoiceContext:
+    def __init__(self, backends: Backends, settings: Callable[[], SessionConfig], changed: Callable[[], None],
+                 name: str):
+        self.backends, self.settings, self.changed, self.name = backends, settings, changed, name
+        self.segments: list[Segment] = []
+        self.encoding: asyncio.Task | None = None  # the last user turn's audio joining the context
+
+    def add(self, seg: Segment) -> None:
+        self.segments.append(seg)
+        del self.segments[: -self.settings().context_turns]
+        self.changed()
+
+    def remove(self, seg: Segment) -> None:
+        if seg in self.segments:
+            self.segments.remove(seg)
+
+    def drop_bot(self) -> None:
+        """A new voice: the bot's earlier turns were another voice."""
+        self.segments = [seg for seg in self.segments if seg.speaker != BOT_SPEAKER]
+
+    def take_encoding(self) -> asyncio.Task | None:
+        """The encode a reply waits for before its first clause (the user's turn joins first)."""
+        encoding, self.encoding = self.encoding, None
+        return encoding
+
+    def encode_later(self, text: str, pcm: np.ndarray) -> None:
+        """Encode a user turn's audio after the encodes before it: one at a time per conversation,
+        and cancelling the last (as :meth:`cancel` does) cancels those it waits on."""
+        before = self.encoding
+
+        async def in_turn() -> None:
+            if before is not None:  # gather: this task's cancellation cancels the one it waits on
+                await asyncio.gather(before, return_exceptions=True)
+            await self._encode_user_turn(text, pcm)
+
+        self.encoding = asyncio.create_task(in_turn())
+
+    async def _encode_user_turn(self, text: str, pcm: np.ndarray) -> None:
+        try:
+            codes = await bounded(self.backends.tts_encode(pcm), self.settings().engine_timeout_s)
+        except EngineUnavailable as exc:
+            log.warning("session %s: encoding user audio: %s", self.name, exc)
+            return
+        except Exception:  # noqa: BLE001 - context is an improvement, never a failure
+            log.exception("session %s: encoding user audio failed", self.name)
+            return
+        if len(codes):
+            self.add(Segment(USER_SPEAKER, text, codes))
+
+    def cancel(self) -> None:
+        if self.encoding is not None:
+            self.encoding.cancel()
