@@ -18,7 +18,7 @@ from deployments.tts import TTS
 from pipeline import metrics
 from pipeline.auth import AuthConfig, load_tokens
 from pipeline.llm.config import LLMConfig
-from pipeline.session_config import SessionConfig
+from pipeline.session_config import read_session_section
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
 
@@ -77,11 +77,7 @@ def configs(args: AppArgs) -> dict[str, Any]:
     engines = {"stt": _engine_config(STTConfig, args.profile, args.device, args.stt),
                "llm": _engine_config(LLMConfig, args.profile, args.device, _llm_settings(args.llm)),
                "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts)}
-    session_fields = {f.name for f in dataclasses.fields(SessionConfig) if not f.name.startswith("on_")}
-    unknown = set(args.session) - session_fields
-    if unknown:
-        raise ValueError(f"unknown session settings {sorted(unknown)}; known: {sorted(session_fields)}")
-    SessionConfig(**args.session)  # bad values (a limit of 0) stop `serve run` here, not in the gateway
+    read_session_section(args.session)  # unknown names and bad values (a limit of 0) stop `serve run` here
     auth_fields = {f.name for f in dataclasses.fields(AuthConfig)}
     unknown = set(args.auth) - auth_fields
     if unknown:
@@ -94,6 +90,6 @@ def build_app(args: dict[str, Any]) -> Application:
     cfg = configs(AppArgs(**(args or {})))
     if os.environ.get(metrics.MULTIPROC_ENV):
         metrics.prepare_multiproc_dir(os.environ[metrics.MULTIPROC_ENV])
-    window = SessionConfig(**cfg["session"]).resume_window_s
+    window = read_session_section(cfg["session"])[1].resume_window_s
     return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"],
                         cfg["tts"].voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window))

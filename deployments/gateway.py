@@ -38,7 +38,7 @@ from pipeline.listening import warm_listening
 from pipeline.audio_constants import USER_RATE
 from pipeline.engines import (Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
                               Voice)
-from pipeline.session_config import SessionConfig
+from pipeline.session_config import read_session_section
 
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None, openapi_url=None)
 log = logging.getLogger(__name__)
@@ -214,24 +214,23 @@ class Gateway:
         self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
         self.tickets = tickets  # the redeemed-ticket record every gateway replica shares (deployments/tickets.py)
-        self.session_cfg = self._session_config(dict(session))
+        self.session_cfg, self.limits = read_session_section(dict(session))
         for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT, P.E_SERVER_BUSY, P.E_IDLE_TIMEOUT, P.E_TURN_TOO_LONG,
                      P.E_ENGINE_UNAVAILABLE, P.E_AUDIO_TOO_FAST):
             metrics.ERRORS.labels(code=code).inc(0)
         for by in ("smart_turn", "silence", "turn_end", "typed", "endpoint", "max_turn"):
             metrics.TURN_ENDS.labels(by=by).inc(0)
         # This replica's sessions, at most session.max_sessions; the gauge follows its count.
-        self.sessions = SessionRegistry(self.session_cfg.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)
+        self.sessions = SessionRegistry(self.limits.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)
         # v1 sessions are kept resumable in the store every gateway replica shares (deployments/session_store.py)
-        window = self.session_cfg.resume_window_s
+        window = self.limits.resume_window_s
         self.continuity = Continuity(RaySnapshots(store), window) if store is not None and window > 0 else None
         self._drain_watch: asyncio.Task | None = None
         # Who may come in (pipeline/admission.py): tokens are read here, in this process, from
         # the environment or file the config names; a token mode without tokens fails the start.
         auth_cfg = AuthConfig(**auth)
         self.gate = Gatekeeper(Authenticator(auth_cfg, load_tokens(auth_cfg)),
-                               ClientLimits(self.session_cfg.max_sessions_per_client,
-                                            self.session_cfg.handshakes_per_minute))
+                               ClientLimits(self.limits.max_sessions_per_client, self.limits.handshakes_per_minute))
         for code in ("unauthorized", "origin_not_allowed", "host_not_allowed", "too_many_handshakes",
                      "too_many_sessions"):
             metrics.HANDSHAKES_REFUSED.labels(code=code).inc(0)
@@ -312,10 +311,6 @@ class Gateway:
         except Refused as refused:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             return _refusal_response(refused)
-
-    @staticmethod
-    def _session_config(session_args: dict) -> SessionConfig:
-        return SessionConfig(**session_args)
 
     async def _serve_websocket(self, ws: WebSocket, serve) -> None:
         """Check the handshake before the upgrade (pipeline.admission: refused, it gets an HTTP

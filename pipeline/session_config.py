@@ -1,12 +1,16 @@
-"""A session's settings: the server's (``session:`` in serve_config*.yaml) and what a client may
-choose for its own session (docs/protocol.md, "Session limits", "Turn taking", "Barge-in").
+"""The ``session:`` section of serve_config*.yaml, read as two things: a session's settings
+(:class:`SessionConfig`: the server's, and what a client may choose for its own session;
+docs/protocol.md, "Session limits", "Turn taking", "Barge-in") and what one gateway replica
+allows whoever connects (:class:`ReplicaLimits`).
 
-One dataclass, validated on construction; the gateway builds it once from the yaml and each
-connection gets it, or a copy with the client's options (``dataclasses.replace`` validates again).
+Both are validated on construction; the gateway builds them once from the yaml (``read_session_section``)
+and each connection gets the settings, or a copy with the client's options
+(``dataclasses.replace`` validates again). What the metrics hear is not a setting: it is the
+conversation's observer (pipeline/conversation/observer.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pipeline.vad import VADSettings
 
@@ -79,17 +83,6 @@ class SessionConfig:
     # the LLM, and a forced tool call builds its grammar). Spoken turns are bounded by the audio.
     max_replies_per_minute: int = 60
     replies_burst: int = 10
-    # Sessions per gateway replica; a connection over the cap gets server_busy (close 1013).
-    max_sessions: int = 64
-    # A v1 session whose connection dropped (or whose gateway replica drained) may be resumed this
-    # long after it was last alive, with the resume token of its session.ready (pipeline/resume.py,
-    # docs/protocol.md "Resume"); 0: sessions are not resumable.
-    resume_window_s: float = 30.0
-    # Per client address (pipeline/client_limits.py), checked before the WebSocket is accepted:
-    # sessions it may hold at once (too_many_sessions, HTTP 429) and handshakes a minute
-    # (too_many_handshakes, HTTP 429; ticket requests count too).
-    max_sessions_per_client: int = 16
-    handshakes_per_minute: int = 120
     # A turn refused an STT slot tries again on a later audio frame, no sooner than this after.
     slot_retry_s: float = 1.0
     # An engine call, or the next item of an engine stream, that takes longer fails with
@@ -99,16 +92,15 @@ class SessionConfig:
     tool_timeout_s: float = 30.0
     tool_timeout_reply: str = "Sorry, I could not get that answer."
     def __post_init__(self) -> None:
-        for name in ("idle_timeout_s", "max_turn_s", "max_sessions", "engine_timeout_s", "tool_timeout_s",
-                     "max_sessions_per_client", "handshakes_per_minute", "max_audio_rate", "audio_burst_s",
-                     "max_replies_per_minute", "replies_burst"):
+        for name in ("idle_timeout_s", "max_turn_s", "engine_timeout_s", "tool_timeout_s", "max_audio_rate",
+                     "audio_burst_s", "max_replies_per_minute", "replies_burst"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if isinstance(self.max_history_chars, bool) or not isinstance(self.max_history_chars, int) \
                 or self.max_history_chars <= 0:
             raise ValueError(f"SessionConfig.max_history_chars must be an integer > 0, "
                              f"got {self.max_history_chars!r}")
-        for name in ("slot_retry_s", "resume_window_s"):
+        for name in ("slot_retry_s",):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"SessionConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.turn_detection not in TURN_DETECTION:
@@ -138,3 +130,39 @@ class SessionConfig:
     @property
     def uses_vad(self) -> bool:
         return self.turn_detection == "vad" or "vad" in self.barge_in_mode or self.vad_events
+
+
+@dataclass(frozen=True)
+class ReplicaLimits:
+    # Sessions per gateway replica; a connection over the cap gets server_busy (close 1013).
+    max_sessions: int = 64
+    # A v1 session whose connection dropped (or whose gateway replica drained) may be resumed this
+    # long after it was last alive, with the resume token of its session.ready (pipeline/resume.py,
+    # docs/protocol.md "Resume"); 0: sessions are not resumable.
+    resume_window_s: float = 30.0
+    # Per client address (pipeline/client_limits.py), checked before the WebSocket is accepted:
+    # sessions it may hold at once (too_many_sessions, HTTP 429) and handshakes a minute
+    # (too_many_handshakes, HTTP 429; ticket requests count too).
+    max_sessions_per_client: int = 16
+    handshakes_per_minute: int = 120
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_sessions_per_client", "handshakes_per_minute"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ReplicaLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.resume_window_s >= 0:
+            raise ValueError(f"ReplicaLimits.resume_window_s must be >= 0, got {self.resume_window_s!r}")
+
+
+SETTING_NAMES = frozenset(f.name for f in fields(SessionConfig))
+LIMIT_NAMES = frozenset(f.name for f in fields(ReplicaLimits))
+
+
+def read_session_section(section: dict) -> tuple[SessionConfig, ReplicaLimits]:
+    """serve_config's ``session:`` -> (the session settings, the replica's limits); an unknown
+    name or a bad value raises ValueError."""
+    unknown = set(section) - SETTING_NAMES - LIMIT_NAMES
+    if unknown:
+        raise ValueError(f"unknown session settings {sorted(unknown)}; known: {sorted(SETTING_NAMES | LIMIT_NAMES)}")
+    return (SessionConfig(**{k: v for k, v in section.items() if k in SETTING_NAMES}),
+            ReplicaLimits(**{k: v for k, v in section.items() if k in LIMIT_NAMES}))

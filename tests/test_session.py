@@ -571,7 +571,7 @@ def test_server_busy_over_max_sessions(backends):
 
     async def go():
         registry = SessionRegistry(2)
-        cfg = SessionConfig(pace_lead_s=None, max_sessions=2)
+        cfg = SessionConfig(pace_lead_s=None)
         conns = [FakeConnection() for _ in range(4)]
         tasks = [asyncio.create_task(serve_connection(c, spy, cfg, registry, Session)) for c in conns[:3]]
         await asyncio.wait_for(tasks[2], 10)  # the third returns at once: refused
