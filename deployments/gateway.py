@@ -144,7 +144,7 @@ def _app_status(app_name: str):
 
 
 class RayBackends(Backends):
-    """The session's :class:`~pipeline.session.Backends` through deployment handles (its in-process
+    """The session's :class:`~pipeline.engines.Backends` through deployment handles (its in-process
     twin is ``pipeline.services.LocalBackends``). Every STT call of one stream carries its id as the
     routing key, so the STT deployment's consistent-hash router sends them all to the replica that
     holds the stream (UnknownStream comes back as itself)."""

@@ -89,7 +89,7 @@ def result_to_audio(turns: int) -> list[float]:
     from pipeline import protocol as P
     from pipeline.llm.config import LLMConfig
     from pipeline.services import LocalBackends
-    from pipeline.session import Session
+    from pipeline.adapters.v1 import Session
     from pipeline.session_config import SessionConfig
     from pipeline.stt.config import STTConfig
     from pipeline.tts.config import TTSConfig

@@ -3,7 +3,7 @@ the user speaking over them or by their time limit.
 
 :class:`ToolCalls` is bookkeeping only (no I/O): which calls are pending, when the oldest was
 asked (the filler and timeout clocks), and how each ended, so a late or stray result gets a
-clear answer. The conversation (``pipeline/conversation.py``) acts on what it says.
+clear answer. The conversation (``pipeline/conversation/tools.py``) acts on what it says.
 """
 from __future__ import annotations
 

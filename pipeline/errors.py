@@ -3,7 +3,7 @@
 Each is a stable string a client may branch on (docs/protocol.md "Errors", docs/realtime.md
 "Limits"). The core raises or reports these; an adapter puts them on its wire (v1's ``error``
 message, the Realtime ``error`` event) and adds only the codes of its own framing (v1's in
-pipeline/protocol.py, such as ``bad_msgpack``; the Realtime ones in pipeline/realtime/session.py,
+pipeline/protocol.py, such as ``bad_msgpack``; the Realtime ones in pipeline/realtime/client_events.py,
 such as ``invalid_json``). The HTTP refusals before a session exists are pipeline/admission.py's.
 """
 from __future__ import annotations

@@ -338,7 +338,7 @@ class TTSService:
 
 
 class LocalBackends(Backends):
-    """The session's :class:`~pipeline.session.Backends` over in-process services (no Ray); its
+    """The session's :class:`~pipeline.engines.Backends` over in-process services (no Ray); its
     twin over Ray deployment handles is ``deployments.gateway.RayBackends``."""
 
     def __init__(self, stt: STTService, llm: LLMService, tts: TTSService):

@@ -4,7 +4,7 @@ started, paused, resumed or cut here, and what it said joins the history.
 A turn's response may take several replies (one that calls tools, a filler while their results
 are awaited, the one that uses them): :class:`Replies` numbers the response's audio across them
 and says once when the turn's response is over (:class:`~pipeline.conversation.events.TurnDone`).
-It is the :class:`~pipeline.reply.ReplyHost` of its replies.
+It is the :class:`~pipeline.conversation.reply.ReplyHost` of its replies.
 """
 from __future__ import annotations
 
