@@ -18,6 +18,7 @@ from pipeline.llm.config import LLMConfig
 from pipeline.runtime import InferenceThread
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService, load_stt
 from pipeline.adapters.v1 import Session
+from pipeline.session_config import ReplicaLimits
 from pipeline.session_config import SessionConfig as _SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -601,9 +602,12 @@ def test_server_busy_over_max_sessions(backends):
 
 
 def test_session_limits_must_be_positive():
-    for name in ("idle_timeout_s", "max_turn_s", "max_sessions"):
+    for name in ("idle_timeout_s", "max_turn_s"):
         with pytest.raises(ValueError, match=name):
             SessionConfig(**{name: 0})
+    for name in ("max_sessions", "max_sessions_per_client", "handshakes_per_minute"):  # the replica's
+        with pytest.raises(ValueError, match=name):
+            ReplicaLimits(**{name: 0})
 
 
 # ----------------------------------------------------------------------------- engines that fail
