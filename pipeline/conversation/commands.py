@@ -69,6 +69,22 @@ class CancelReply:
 
 
 @dataclass(frozen=True)
+class Played:
+    """The client played the reply's item ``item_id`` up to ``audio_ms`` (a phone's mark came back):
+    cut there, the history keeps what was heard, not only what was sent."""
+
+    item_id: str
+    audio_ms: float
+
+
+@dataclass(frozen=True)
+class Digits:
+    """Keys the caller pressed (DTMF): a user turn that says which."""
+
+    digits: str
+
+
+@dataclass(frozen=True)
 class ClearAudio:
     """Drop the open spoken turn's audio."""
 
@@ -117,5 +133,5 @@ class Configure:
     voice_clip: VoiceClip | None = None
 
 
-Command = (Hear | EndTurn | UserText | AddItem | AddUserAudio | Respond | CancelReply | ClearAudio | Truncate
-           | DeleteItem | ToolResult | Configure)
+Command = (Hear | EndTurn | UserText | AddItem | AddUserAudio | Respond | CancelReply | Played | Digits | ClearAudio
+           | Truncate | DeleteItem | ToolResult | Configure)

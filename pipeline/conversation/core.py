@@ -234,6 +234,9 @@ class Conversation:
         """The client's result of a call (raises calls.ToolResultError, changing nothing)."""
         return await self.replies.tool_result(call_id, output, then)
 
+    async def played(self, item_id: str, audio_ms: float) -> None:
+        self.replies.played(item_id, audio_ms)
+
     async def clear_audio(self) -> None:
         """Drop the open spoken turn's audio."""
         await self.speculator.drop(CANCELLED)
@@ -306,6 +309,8 @@ _DO: dict[type, Callable] = {
     C.AddUserAudio: lambda c, x: c.items.add_user_audio(x.pcm, x.after),
     C.Respond: lambda c, x: c.respond(x.overrides),
     C.CancelReply: lambda c, x: c.cancel_reply(x.response_id),
+    C.Played: lambda c, x: c.played(x.item_id, x.audio_ms),
+    C.Digits: lambda c, x: c.user_text(f"(The caller pressed {' '.join(x.digits)} on the keypad.)"),
     C.ClearAudio: lambda c, x: c.clear_audio(),
     C.Truncate: lambda c, x: c.items.truncate(x.item_id, x.audio_end_ms),
     C.DeleteItem: lambda c, x: c.items.delete(x.item_id),

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pipeline.audio_constants import REPLY_RATE
 from pipeline.conversation.events import (ReplyAudio, ReplyDone, ReplyPaused, ReplyResumed, ReplyStarted, ReplyText,
                                           ToolCallAsked, ToolCancelled, TurnDone)
 from pipeline.conversation.shared import Shared
@@ -55,6 +56,12 @@ class Replies:
     @property
     def paused(self) -> bool:
         return self.running and self.reply.paused
+
+    def played(self, item_id: str, audio_ms: float) -> None:
+        """The client played the running reply up to ``audio_ms``; later reports only move it on."""
+        reply = self.reply
+        if reply is not None and reply.running and reply.item_id == item_id:
+            reply.heard = max(reply.heard or 0, min(int(audio_ms * REPLY_RATE / 1000), reply.samples))
 
     def interruptible(self) -> bool:
         if not self.running:
@@ -139,12 +146,16 @@ class Replies:
         calls = [item for item in map(history.call, (c.call_id for c in reply.calls)) if item is not None]
         if not (said or (not calls and history.last is not None and history.last.role == "user")):
             return
-        item = Item("assistant", said, id=reply.item_id, audio=bool(reply.spoken), clauses=list(reply.spoken),
+        heard = reply.status == CANCELLED and reply.heard is not None
+        text = reply.said if heard else said  # all it sent, then cut to what was heard
+        item = Item("assistant", text, id=reply.item_id, audio=bool(reply.spoken), clauses=list(reply.spoken),
                     audio_samples=reply.samples)
-        if reply.codes and said:
-            item.segment = Segment(BOT_SPEAKER, said, np.concatenate(reply.codes))
+        if reply.codes and text:
+            item.segment = Segment(BOT_SPEAKER, text, np.concatenate(reply.codes))
             self.shared.context.add(item.segment)
         history.add(item, before=calls[0].id if calls else None)  # what it said, then its calls
+        if heard and item.audio:
+            history.truncate(item, 1000 * min(reply.heard, reply.samples) / REPLY_RATE)  # what was heard
 
     async def _done(self, reply: Reply) -> None:
         """The reply ended; the turn's response ends with it unless tool results are awaited."""

@@ -75,6 +75,7 @@ class Reply:
         self.first_audio_at: float | None = None
         self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens, where the LLM told
         self.marks: dict[str, float] = {}  # ms after the reply started: llm_first_token, first_clause, first_audio
+        self.heard: int | None = None  # samples the client reports it played (None: not reported)
         self.done_sent = False
         self.remembered = False  # its history item has been added
         self.task: asyncio.Task | None = None
@@ -115,8 +116,12 @@ class Reply:
 
     @property
     def transcript(self) -> str:
-        """What the history keeps of it: a cut reply, what was said; else all the LLM wrote."""
-        return self.said if self.status == CANCELLED else self.text.strip()
+        """What the history keeps of it: a cut reply, what was said (heard, where the client reports
+        what it played); else all the LLM wrote."""
+        if self.status != CANCELLED:
+            return self.text.strip()
+        heard = self.samples if self.heard is None else self.heard
+        return " ".join(clause for start, clause in self.spoken if start < heard)
 
     # ------------------------------------------------------------------ text
     async def _run(self) -> None:

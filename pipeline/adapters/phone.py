@@ -1,0 +1,179 @@
+"""A phone call's media stream (Twilio Media Streams, Telnyx media streaming) onto one
+conversation core.
+
+The carrier opens the WebSocket and speaks first: ``start`` names the call, its audio format and
+the parameters its setup passed, among them the stream's credential (a carrier's stream carries
+no headers; ``verify`` checks it, and nothing else is served before it passes). The caller's
+G.711 becomes ``Hear`` commands at the recogniser's rate; keys become ``Digits``. Reply audio goes
+back as 20 ms G.711 frames, each reply chunk followed by a ``mark``: the carrier echoes it once the
+caller's phone has played the audio before it, and the echo becomes ``Played``, so a reply cut by
+a barge-in keeps in the history exactly what the caller heard. A cut reply's queued audio is
+dropped at the carrier with ``clear``. ``stop`` (the call ended) closes the session.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from pipeline.adapters.wire import CloseConnection, WireSession
+from pipeline.agent import DEFAULT_VOICE, BadSetting
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
+from pipeline.audio_formats import Decoder, Encoder
+from pipeline.conversation import commands as C
+from pipeline.conversation import events as E
+from pipeline.conversation.core import Conversation, Refusal
+from pipeline.conversation.observer import Observer
+from pipeline.conversation.reply import CANCELLED
+from pipeline.engines import Backends
+from pipeline.admission import E_UNAUTHORIZED
+from pipeline.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION
+from pipeline.session_config import SessionConfig
+from pipeline.telephony import DIALECTS, FRAME_BYTES, CallStart, StreamError, digit, mark_name, payload
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_CHARS = 64 * 1024  # a carrier's message: 20 ms of media is ~250 characters
+MAX_MARKS = 4096  # marks awaiting their echo (a reply sends one per chunk; older ones are forgotten)
+CREDENTIAL_PARAMETER = "ticket"  # the start parameter that carries the stream's credential
+START_WITHIN_S = 10.0  # a stream that has not started by then is closed (carriers start at once)
+SILENCE = {"audio/pcmu": b"\xff", "audio/pcma": b"\xd5"}  # G.711's zero sample
+
+
+def _monotonic() -> float:
+    return time.monotonic()
+
+
+class PhoneSession(WireSession):
+    def __init__(self, send: Callable[[str], Awaitable[None]], backends: Backends, cfg: SessionConfig | None = None,
+                 session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
+                 observer: Observer | None = None, provider: str = "twilio",
+                 verify: Callable[[str | None], Awaitable[bool]] | None = None):
+        super().__init__(send)
+        self.dialect = DIALECTS[provider]
+        self.core = Conversation(self.emit, backends, cfg, session_id, smart_turn, voices, _monotonic, observer)
+        self.verify = verify
+        self.call: CallStart | None = None
+        self._decoder: Decoder | None = None
+        self._encoders: dict[str, Encoder] = {}  # reply id -> its encoder
+        self._unsent = b""  # encoded audio short of a whole frame
+        self._marks: OrderedDict[str, tuple[str, float]] = OrderedDict()  # mark -> (item id, audio ms up to it)
+        self._start_by = _monotonic() + START_WITHIN_S
+
+    @staticmethod
+    def error_frame(code: str, message: str) -> str:
+        return json.dumps({"event": "error", "code": code, "message": message})  # carriers ignore it; logs show it
+
+    def next_deadline(self) -> float:
+        return self.core.next_deadline() if self.call is not None else min(self.core.next_deadline(), self._start_by)
+
+    async def check_deadlines(self) -> bool:
+        if self.call is None and _monotonic() >= self._start_by:
+            raise CloseConnection(None, "no start", CLOSE_POLICY_VIOLATION, f"no start within {START_WITHIN_S:g} s")
+        return await self.core.check_deadlines()
+
+    # ------------------------------------------------------------------ carrier messages in
+    async def on_frame(self, frame: bytes | str) -> None:
+        self.core.touch()
+        try:
+            msg = self._parse(frame)
+            event = msg["event"]
+            if event == "connected":
+                return
+            if event == "start":
+                await self._start(msg)
+            elif self.call is None:
+                raise StreamError(f"{event!r} before start")
+            elif event == "media":
+                await self._media(msg)
+            elif event == "dtmf":
+                await self.core.do(C.Digits(digit(msg)))
+            elif event == "mark":
+                await self._echoed(mark_name(msg))
+            elif event == "stop":
+                raise CloseConnection(None, "the call ended", CLOSE_NORMAL, "call ended")
+        except StreamError as exc:
+            self.core.shared.observer.error("bad_stream")
+            log.warning("call stream %s refused: %s", self.id, exc.reason)
+            raise CloseConnection(None, exc.reason, CLOSE_POLICY_VIOLATION, exc.reason[:120]) from None
+        except (BadSetting, Refusal) as exc:  # the conversation's limits: the call goes on
+            log.warning("call stream %s: %s", self.id, exc)
+
+    @staticmethod
+    def _parse(frame: bytes | str) -> dict:
+        if not isinstance(frame, str) or len(frame) > MAX_MESSAGE_CHARS:
+            raise StreamError(f"a carrier message is a JSON text frame of at most {MAX_MESSAGE_CHARS} characters")
+        try:
+            msg = json.loads(frame)
+        except (ValueError, RecursionError):
+            raise StreamError("a carrier message is not JSON") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
+            raise StreamError("a carrier message is a JSON object with a string \"event\"")
+        return msg
+
+    async def _start(self, msg: dict) -> None:
+        if self.call is not None:
+            raise StreamError("a second start")
+        call = self.dialect.start(msg)
+        if self.verify is not None and not await self.verify(call.parameters.get(CREDENTIAL_PARAMETER)):
+            self.core.shared.observer.error(E_UNAUTHORIZED)
+            raise CloseConnection(None, "the stream's credential was refused", CLOSE_POLICY_VIOLATION, "unauthorized")
+        self.call, self._decoder = call, Decoder(call.audio)
+        log.info("call %s (%s) streams as session %s", call.call_id, self.dialect.name, self.id)
+
+    async def _media(self, msg: dict) -> None:
+        pcm = self._decoder.decode(payload(msg))
+        for start in range(0, len(pcm), USER_RATE):
+            await self.core.do(C.Hear(pcm[start:start + USER_RATE]))
+
+    async def _echoed(self, name: str) -> None:
+        """The audio before mark ``name`` has played on the caller's phone."""
+        sent = self._marks.pop(name, None)
+        if sent is not None:
+            await self.core.do(C.Played(*sent))
+
+    # ------------------------------------------------------------------ conversation events out
+    async def emit(self, ev: E.Event) -> None:
+        if isinstance(ev, E.ReplyAudio):
+            await self._audio(ev)
+        elif isinstance(ev, E.ReplyDone):
+            await self._reply_done(ev)
+        elif isinstance(ev, E.Error):
+            log.info("call stream %s: %s: %s", self.id, ev.code, ev.message)  # a phone has no channel for it
+
+    async def _send(self, msg: dict) -> None:
+        await self.send_frame(json.dumps(msg))
+
+    async def _audio(self, ev: E.ReplyAudio) -> None:
+        reply = ev.reply
+        encoder = self._encoders.setdefault(reply.id, Encoder(self.call.audio))
+        await self._frames(self._unsent + encoder.encode(ev.pcm))
+        name = f"{reply.id}.{ev.seq}"
+        unsent_ms = len(self._unsent) / (self.call.audio.rate / 1000)  # the part of a frame still here
+        self._marks[name] = (reply.item_id, 1000 * (reply.samples + len(ev.pcm)) / REPLY_RATE - unsent_ms)
+        while len(self._marks) > MAX_MARKS:
+            self._marks.popitem(last=False)
+        await self._send(self.dialect.mark(self.call.stream_id, name))
+
+    async def _frames(self, data: bytes) -> None:
+        whole = len(data) - len(data) % FRAME_BYTES
+        for at in range(0, whole, FRAME_BYTES):
+            await self._send(self.dialect.media(self.call.stream_id, data[at:at + FRAME_BYTES]))
+        self._unsent = data[whole:]
+
+    async def _reply_done(self, ev: E.ReplyDone) -> None:
+        encoder = self._encoders.pop(ev.reply.id, None)
+        if ev.reply.status == CANCELLED:  # what it queued is dropped: its late marks mean nothing
+            self._unsent = b""
+            for name in [n for n, (item_id, _) in self._marks.items() if item_id == ev.reply.item_id]:
+                del self._marks[name]
+            await self._send(self.dialect.clear(self.call.stream_id))
+        elif encoder is not None:  # the last samples, padded to a whole frame of silence
+            tail = self._unsent + encoder.encode(np.zeros(0, np.int16), last=True)
+            if tail:
+                pad = SILENCE[self.call.audio.type] * (-len(tail) % FRAME_BYTES)
+                await self._frames(tail + pad)
