@@ -25,6 +25,7 @@ from starlette.websockets import WebSocketDisconnect
 from deployments import proxy_limits
 from deployments.session_store import RaySnapshots
 from pipeline import metrics
+from pipeline.adapters.phone import PhoneSession
 from pipeline.adapters.realtime import RealtimeSession
 from pipeline.adapters.v1 import Session
 from pipeline import protocol as P
@@ -34,6 +35,7 @@ from pipeline.client_limits import ClientLimits
 from pipeline.connection import (ClientGone, Resumption, SessionRegistry, refuse_options, serve_connection,
                                  session_options)
 from pipeline.keeper import Continuity
+from pipeline.telephony import DIALECTS
 from pipeline.listening import warm_listening
 from pipeline.audio_constants import USER_RATE
 from pipeline.engines import (Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
@@ -312,20 +314,22 @@ class Gateway:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             return _refusal_response(refused)
 
-    async def _serve_websocket(self, ws: WebSocket, serve) -> None:
+    async def _serve_websocket(self, ws: WebSocket, serve, carrier: bool = False) -> None:
         """Check the handshake before the upgrade (pipeline.admission: refused, it gets an HTTP
         error instead), accept it, and hand it to ``serve(handshake, connection)``; the client's
-        session place is given back however that ends."""
+        session place is given back however that ends. A ``carrier``'s stream brings its
+        credential inside (a phone call's start: ``_verify_stream``)."""
         hs = Handshake(dict(ws.headers), dict(ws.query_params), self.gate.auth.address_of(ws))
         try:
-            admission = self.gate.admit(hs)
+            admission = self.gate.admit_stream(hs) if carrier else self.gate.admit(hs)
         except Refused as refused:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             await _deny(ws, refused)
             return
         try:  # from here on the place is given back however the connection ends, refused or not
             try:
-                await self._claim_ticket(hs)
+                if not carrier:
+                    await self._claim_ticket(hs)
             except Refused as refused:
                 metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
                 await _deny(ws, refused)
@@ -399,6 +403,42 @@ class Gateway:
                                    metrics.MetricsObserver(), voices=self.voices)
 
         await self._serve_websocket(ws, serve)
+
+    @api.websocket("/v1/phone/{provider}")
+    async def phone(self, ws: WebSocket, provider: str) -> None:
+        """A phone carrier's media stream (docs/phone.md): ``twilio`` or ``telnyx``."""
+        if provider not in DIALECTS:
+            await ws.close(code=1008, reason=f"unknown carrier {provider[:40]!r}; known: {sorted(DIALECTS)}")
+            return
+
+        async def serve(hs: Handshake, conn: WebSocketConnection) -> None:
+            metrics.CALLS.labels(provider=provider).inc()
+            await serve_connection(conn, self.backends, self.session_cfg, self.sessions, PhoneSession,
+                                   observer=metrics.MetricsObserver(), voices=self.voices, provider=provider,
+                                   verify=self._verify_stream)
+
+        await self._serve_websocket(ws, serve, carrier=True)
+
+    async def _verify_stream(self, credential: str | None) -> bool:
+        """A call stream's credential (its start parameter ``ticket``): a one-use ticket (claimed in
+        the shared ledger, as a handshake's) or a bearer token of this server."""
+        if self.gate.auth.open:
+            return True
+        if not credential:
+            return False
+        try:
+            self.gate.auth.check({}, {TICKET_PARAM: credential})
+        except AuthError:
+            try:
+                self.gate.auth.check({"authorization": f"Bearer {credential}"}, {})
+                return True
+            except AuthError:
+                return False
+        try:
+            await self._claim_ticket(Handshake({}, {TICKET_PARAM: credential}, ""))
+        except Refused:
+            return False
+        return True
 
     @api.websocket("/v1/realtime")
     async def realtime(self, ws: WebSocket) -> None:

@@ -81,6 +81,18 @@ class Gatekeeper:
             raise Refused(exc.code, str(exc)) from None
         return Admission(self.limits, hs.address)
 
+    def admit_stream(self, hs: Handshake) -> Admission:
+        """Admit a carrier's media stream (a phone call), or raise Refused: its credential comes
+        inside the stream (a carrier's handshake carries no headers of ours, and no Origin), so
+        here only the host and the address's rates and sessions are checked."""
+        self._check_host(hs)
+        self._count_handshake(hs.address)
+        try:
+            self.limits.open_session(hs.address)
+        except LimitExceeded as exc:
+            raise Refused(exc.code, str(exc)) from None
+        return Admission(self.limits, hs.address)
+
     def issue_ticket(self, hs: Handshake) -> dict:
         """``POST /v1/session``: a single-use ticket for a browser's WebSocket handshake."""
         self._check_host(hs)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from pipeline import errors as P
-from pipeline.adapters.wire import WireSession
+from pipeline.adapters.wire import CloseConnection, WireSession
 from pipeline.conversation.observer import Observer
 from pipeline.engines import Backends, ClientGone
 from pipeline.keeper import Continuity, Keeper
@@ -138,6 +138,8 @@ async def serve_connection(conn: Connection, backends: Backends, cfg: SessionCon
             await _leave(conn, session, keeper)
     except ClientGone:
         pass
+    except CloseConnection as close:  # the adapter ends it (a phone call's stop, a bad stream)
+        await _close_quietly(conn, session, close.code, close.message, close.close_code, close.reason)
     except Exception as exc:  # noqa: BLE001 - one session's fault closes that session only
         log.exception("session %s failed", session.id)
         await _close_quietly(conn, session, P.E_INTERNAL, f"session failed: {type(exc).__name__}",
@@ -281,9 +283,10 @@ async def _receive_loop(conn: Connection, session: WireSession) -> str | None:
 
 async def _close_quietly(conn: Connection, session: WireSession, code: str, message: str,
                          close_code: int, reason: str) -> None:
-    """The last word to a client that may already be gone."""
+    """The last word to a client that may already be gone (no ``code``: nothing to tell it)."""
     try:
-        await session.send_error(code, message)
+        if code:
+            await session.send_error(code, message)
         await conn.close(close_code, reason)
     except Exception:  # noqa: BLE001 - nothing more to tell a client we cannot reach
         pass

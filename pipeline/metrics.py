@@ -110,6 +110,7 @@ SPECULATIONS = Counter("voice_preemptive_generations", "LLM starts at a hands-fr
 for _outcome in ("hit", "miss", "cancelled"):
     SPECULATIONS.labels(outcome=_outcome)  # exported at 0 from the start
 SMART_TURN = Histogram("voice_smart_turn_seconds", "One Smart Turn end-of-turn call (gateway).", buckets=LATENCY_BUCKETS)
+CALLS = Counter("voice_calls", "Phone calls' media streams opened, by carrier.", ["provider"])
 ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["code"])
 HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket requests refused before the "
                              "upgrade, by code (unauthorized, origin_not_allowed, too_many_handshakes, "

@@ -12,6 +12,15 @@ from pipeline.resume import InFlight
 from pipeline.session_config import SessionConfig
 
 
+class CloseConnection(Exception):
+    """An adapter ends its connection: the client is told ``code`` and ``message`` (where its wire
+    has a way to say them) and the socket closes with ``close_code`` and ``reason``."""
+
+    def __init__(self, code: str | None, message: str, close_code: int, reason: str):
+        super().__init__(message)
+        self.code, self.message, self.close_code, self.reason = code, message, close_code, reason
+
+
 class WireSession:
     core: Conversation
     resumable = False  # whether its wire lets a dropped connection resume (pipeline/keeper.py)
