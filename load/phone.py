@@ -141,9 +141,10 @@ class Phone:
                     self._play_clock, self._queued_ms = None, 0.0
                     self._pending = [(now, name) for _, name in self._pending]  # echoed at once
                 await self._notify()
-        except websockets.ConnectionClosed as closed:
-            self.close_code = closed.code
-            await self._notify()
+        except websockets.ConnectionClosed:
+            pass  # a normal close ends the loop without it
+        self.close_code = self._ws.close_code
+        await self._notify()
 
     async def _notify(self) -> None:
         async with self._changed:
