@@ -74,18 +74,17 @@ class Gatekeeper:
         self._check_host(hs)
         self._check_origin(hs)
         self._check_credentials(hs, lambda: self.auth.check(hs.headers, hs.query))
-        self._count_handshake(hs.address)
-        try:
-            self.limits.open_session(hs.address)
-        except LimitExceeded as exc:
-            raise Refused(exc.code, str(exc)) from None
-        return Admission(self.limits, hs.address)
+        return self._open(hs)
 
     def admit_stream(self, hs: Handshake) -> Admission:
         """Admit a carrier's media stream (a phone call), or raise Refused: its credential comes
         inside the stream (a carrier's handshake carries no headers of ours, and no Origin), so
         here only the host and the address's rates and sessions are checked."""
         self._check_host(hs)
+        return self._open(hs)
+
+    def _open(self, hs: Handshake) -> Admission:
+        """Count the handshake against the address's rate and take one of its session places."""
         self._count_handshake(hs.address)
         try:
             self.limits.open_session(hs.address)
