@@ -351,7 +351,10 @@ def test_plain_serve_run_has_the_door_limits_and_drops_half_sent_handshakes(serv
         async with websockets.connect(URL, max_size=None, compression="deflate") as ws:
             deflate = ws.response.headers.get("Sec-WebSocket-Extensions")
             await ws.recv()
-            await ws.send(b"\x00" * (1 << 20))
+            try:
+                await ws.send(b"\x00" * (1 << 20))
+            except ConnectionError:  # the proxy closed (1009) while the message was still being written
+                pass
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 while True:
                     await ws.recv()
