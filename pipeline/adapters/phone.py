@@ -99,7 +99,8 @@ class PhoneSession(WireSession):
         except StreamError as exc:
             self.core.shared.observer.error("bad_stream")
             log.warning("call stream %s refused: %s", self.id, exc.reason)
-            raise CloseConnection(None, exc.reason, CLOSE_POLICY_VIOLATION, exc.reason[:120]) from None
+            reason = exc.reason.encode()[:120].decode(errors="ignore")  # a close reason is at most 123 bytes
+            raise CloseConnection(None, exc.reason, CLOSE_POLICY_VIOLATION, reason) from None
         except (BadSetting, Refusal) as exc:  # the conversation's limits: the call goes on
             log.warning("call stream %s: %s", self.id, exc)
 
