@@ -48,8 +48,10 @@ def ulaw_frames(pcm16k: np.ndarray) -> list[bytes]:
 
 
 class Phone:
-    def __init__(self, url: str = URL, provider: str = "twilio", parameters: dict | None = None):
+    def __init__(self, url: str = URL, provider: str = "twilio", parameters: dict | None = None,
+                 local_address: str | None = None):
         self.url, self.provider, self.parameters = url, provider, parameters or {}
+        self.local_address = local_address  # the loopback address to call from (tests: one per test)
         self.stream_id = "MZ" + format(int(time.time() * 1e6), "032x")[-32:]
         self.received: list[tuple[float, int]] = []  # (arrival, bytes) of each media frame
         self.marks: list[str] = []  # marks in the order they came
@@ -58,6 +60,7 @@ class Phone:
         self.gaps: list[float] = []  # seconds of dead air inside replies
         self.first_audio_after: list[float] = []  # arrival of a reply's first frame
         self.close_code: int | None = None
+        self.close_reason: str | None = None
         self._queued_ms = 0.0  # audio queued to play, from _play_clock on
         self._play_clock: float | None = None  # when the queued audio started playing
         self._pending: list[tuple[float, str]] = []  # (when it plays out, mark)
@@ -66,19 +69,25 @@ class Phone:
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Condition()  # notified on every message in and every mark echoed
 
+    @property
+    def call_id(self) -> str:
+        """What the carrier calls this call (Twilio's callSid, Telnyx's call_control_id)."""
+        return ("CA" + self.stream_id[2:]) if self.provider == "twilio" else "v3:" + self.stream_id
+
     def _key(self) -> dict:
         return {"streamSid": self.stream_id} if self.provider == "twilio" else {"stream_id": self.stream_id}
 
     async def __aenter__(self) -> "Phone":
-        self._ws = await websockets.connect(self.url, max_size=2 ** 20)
+        self._ws = await websockets.connect(self.url, max_size=2 ** 20, local_addr=(self.local_address, 0)
+                                            if self.local_address else None)
         if self.provider == "twilio":
             start = {"event": "start", "sequenceNumber": "1", **self._key(), "start": {
-                "accountSid": "AC0", "streamSid": self.stream_id, "callSid": "CA" + self.stream_id[2:],
+                "accountSid": "AC0", "streamSid": self.stream_id, "callSid": self.call_id,
                 "tracks": ["inbound"], "customParameters": self.parameters,
                 "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}
         else:
             start = {"event": "start", "sequence_number": "1", **self._key(), "start": {
-                "call_control_id": "v3:" + self.stream_id, "custom_parameters": [
+                "call_control_id": self.call_id, "custom_parameters": [
                     {"name": k, "value": v} for k, v in self.parameters.items()],
                 "media_format": {"encoding": "PCMU", "sample_rate": 8000, "channels": 1}}}
         await self._send({"event": "connected", "protocol": "Call", "version": "1.0.0"})
@@ -143,7 +152,7 @@ class Phone:
                 await self._notify()
         except websockets.ConnectionClosed:
             pass  # a normal close ends the loop without it
-        self.close_code = self._ws.close_code
+        self.close_code, self.close_reason = self._ws.close_code, self._ws.close_reason
         await self._notify()
 
     async def _notify(self) -> None:

@@ -111,6 +111,12 @@ for _outcome in ("hit", "miss", "cancelled"):
     SPECULATIONS.labels(outcome=_outcome)  # exported at 0 from the start
 SMART_TURN = Histogram("voice_smart_turn_seconds", "One Smart Turn end-of-turn call (gateway).", buckets=LATENCY_BUCKETS)
 CALLS = Counter("voice_calls", "Phone calls' media streams opened, by carrier.", ["provider"])
+PHONE_PLAYBACK_DELAY = Histogram(
+    "voice_phone_playback_delay_seconds", "A phone call's reply chunk, from sent to played on the caller's phone "
+    "(its mark's echo): the carrier's buffer and the network.", ["provider"], buckets=LATENCY_BUCKETS)
+PHONE_GAP = Histogram(
+    "voice_phone_gap_seconds", "Dead air a caller heard inside a reply, before a chunk, measured by the carrier's "
+    "mark echoes.", ["provider"], buckets=LATENCY_BUCKETS)
 ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["code"])
 HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket requests refused before the "
                              "upgrade, by code (unauthorized, origin_not_allowed, too_many_handshakes, "
@@ -141,6 +147,12 @@ class MetricsObserver(Observer):
 
     def speculation(self, outcome: str) -> None:
         SPECULATIONS.labels(outcome=outcome).inc()
+
+    def phone_playback(self, provider: str, seconds: float) -> None:
+        PHONE_PLAYBACK_DELAY.labels(provider=provider).observe(seconds)
+
+    def phone_gap(self, provider: str, seconds: float) -> None:
+        PHONE_GAP.labels(provider=provider).observe(seconds)
 
 
 class NodeCollector:

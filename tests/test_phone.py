@@ -12,14 +12,20 @@ import asyncio
 import audioop
 import base64
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
 from scipy.signal import resample_poly
 
+import pytest
+
 from pipeline.adapters.phone import PhoneSession
+from pipeline.call_control import TelnyxCalls, TwilioCalls
 from pipeline.connection import SessionRegistry, serve_connection
+from pipeline.phone_config import read_phone_section
 from pipeline.session_config import SessionConfig
+from tests.fake_carrier_api import FakeCarrierAPI
 from tests.test_session import _fresh, engines  # noqa: F401 - the module's tiny engines (a slow LLM)
 
 STREAM, CALL = "MZ00000000000000000000000000000001", "CA00000000000000000000000000000001"
@@ -29,11 +35,14 @@ class Carrier:
     """A carrier's side of one media stream, as the test drives it: messages to send queued in
     ``inbox``, what the server sends kept in ``sent``; marks are echoed when ``echo`` says."""
 
-    def __init__(self, provider: str = "twilio", echo_marks: bool = True):
+    def __init__(self, provider: str = "twilio", echo_marks: bool = True, play: bool = False):
         self.provider = provider
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.sent: list[dict] = []
         self.echo_marks = echo_marks
+        self.play = play  # echo each mark when the audio before it has played out at real time
+        self.played_out_at = 0.0  # (time.monotonic) when the audio queued so far ends
+        self.echoed_at: list[float] = []
         self.close_code: int | None = None
         self.close_reason = ""
         self.closed = asyncio.Event()
@@ -46,10 +55,20 @@ class Carrier:
     async def send(self, frame: str) -> None:
         msg = json.loads(frame)
         self.sent.append(msg)
-        if msg["event"] == "mark" and self.echo_marks:
+        now = time.monotonic()
+        if msg["event"] == "media" and self.play:
+            self.played_out_at = max(self.played_out_at, now) + len(base64.b64decode(msg["media"]["payload"])) / 8000
+        elif msg["event"] == "mark" and self.play:
+            asyncio.get_running_loop().call_later(max(0.0, self.played_out_at - now), self._echo_now,
+                                                  msg["mark"]["name"])
+        elif msg["event"] == "mark" and self.echo_marks:
             self.inbox.put_nowait(json.dumps(self._echo(msg["mark"]["name"])))
         async with self._arrived:
             self._arrived.notify_all()
+
+    def _echo_now(self, name: str) -> None:
+        self.echoed_at.append(time.monotonic())
+        self.inbox.put_nowait(json.dumps(self._echo(name)))
 
     async def close(self, code: int, reason: str) -> None:
         self.close_code, self.close_reason = code, reason
@@ -110,11 +129,70 @@ def _cfg(**settings) -> SessionConfig:
     return SessionConfig(**{"pace_lead_s": 0.1, "vad_events": False, **settings})
 
 
-async def _call(backends, carrier: Carrier, verify=None, cfg: SessionConfig | None = None):
-    registry = SessionRegistry(4)
+class Registry(SessionRegistry):
+    """The sessions of a test's calls, kept after they end (``opened``)."""
+
+    def __init__(self):
+        super().__init__(4)
+        self.opened = []
+        self.added = asyncio.Event()
+
+    def add(self, session) -> None:
+        super().add(session)
+        self.opened.append(session)
+        self.added.set()
+
+    async def first(self):
+        await asyncio.wait_for(self.added.wait(), 30)
+        return self.opened[0]
+
+
+async def _until(session, predicate, timeout: float = 30) -> None:
+    """Wait until ``predicate()`` holds, looking again at each change of the conversation's state."""
+    changed = session.core.state_changed
+    async with asyncio.timeout(timeout):
+        while True:
+            changed.clear()
+            if predicate():
+                return
+            await changed.wait()
+
+
+async def _call(backends, carrier: Carrier, verify=None, cfg: SessionConfig | None = None, **phone):
+    registry = Registry()
     served = asyncio.create_task(serve_connection(carrier, backends, cfg or _cfg(), registry, PhoneSession,
-                                                  provider=carrier.provider, verify=verify))
+                                                  provider=carrier.provider, verify=verify, **phone))
     return served, registry
+
+
+def _calls(provider: str, api: FakeCarrierAPI):
+    """The carrier's official client (through pipeline.call_control) against the local fake."""
+    return TwilioCalls("AC0", "token", api.url) if provider == "twilio" else TelnyxCalls("KEY0", api.url + "/v2")
+
+
+AGENTS = read_phone_section({"agents": {
+    "hangs_up": {"speaks_first": True, "tools": ["end_call"], "tool_choice": {"type": "function", "name": "end_call"}},
+    "transfers": {"speaks_first": True, "tools": ["transfer_call"], "transfer_to": ["+15550001111"],
+                  "tool_choice": {"type": "function", "name": "transfer_call"}},
+    "collects": {"speaks_first": True, "tools": ["collect_digits"], "dtmf": "tool",
+                 "tool_choice": {"type": "function", "name": "collect_digits"}},
+    "plain": {"instructions": "You answer the phone for a bakery."},
+}})
+
+
+async def _agent_call(backends, provider: str, agent: str, api: FakeCarrierAPI, before=None, **parameters):
+    """A call whose start names ``agent``; runs until the stream closes (30 s at most)."""
+    carrier = Carrier(provider)
+    carrier.connected()
+    carrier.start(encoding="PCMU" if provider == "telnyx" else None, parameters={"agent": agent, **parameters})
+    if before is not None:
+        before(carrier)
+    # A forced call is one item, after all its tokens: the slow test LLM (20 ms a token) needs more
+    # than the default 1.5 s for a transfer's arguments.
+    served, registry = await _call(backends, carrier, cfg=_cfg(engine_timeout_s=5.0), phone=AGENTS,
+                                   calls=_calls(provider, api))
+    await asyncio.wait_for(served, 30)
+    return carrier, (registry.opened or [None])[0]
 
 
 def test_a_call_answers_keys_and_a_cut_reply_keeps_what_the_caller_heard(engines):  # noqa: F811
@@ -250,3 +328,127 @@ def test_the_test_carrier_speaks_twilio_as_pipecat_reads_it_and_we_write_as_pipe
     ours = Twilio.media(STREAM, b"\xff" * 160)
     assert ours.keys() == theirs_media.keys() and ours["media"].keys() == theirs_media["media"].keys()
     assert Twilio.clear(STREAM) == theirs_clear
+
+
+@pytest.fixture(scope="module")
+def api():
+    server = FakeCarrierAPI().start()
+    yield server
+    server.stop()
+
+
+CALL_PATHS = {"twilio": f"/2010-04-01/Accounts/AC0/Calls/{CALL}.json", "telnyx": f"/v2/calls/{CALL}/actions/"}
+
+
+@pytest.mark.parametrize("provider", ["twilio", "telnyx"])
+def test_end_call_hangs_up_through_the_carriers_api_and_closes_the_stream(engines, api, provider):  # noqa: F811
+    """The agent answers (speaks_first) with a forced end_call: the call's history records it, the
+    carrier's REST API (the official client, against the fake) is asked to hang up this call,
+    and the stream closes 1000."""
+    api.requests.clear()
+    carrier, session = asyncio.run(_agent_call(_fresh(engines), provider, "hangs_up", api))
+    assert carrier.close_code == 1000 and carrier.close_reason == "call ended by the agent"
+    path = CALL_PATHS[provider] + ("hangup" if provider == "telnyx" else "")
+    assert api.requests == [("POST", path, {"Status": "completed"} if provider == "twilio" else {})]
+    (call,) = [i for i in session.core.history.items if i.kind == "function_call"]
+    outputs = [i.text for i in session.core.history.items if i.kind == "function_call_output"]
+    assert call.name == "end_call" and outputs == ["The call ends once this reply has played."]
+
+
+@pytest.mark.parametrize("provider", ["twilio", "telnyx"])
+def test_transfer_call_dials_a_configured_number_through_the_carriers_api(engines, api, provider):  # noqa: F811
+    api.requests.clear()
+    carrier, _ = asyncio.run(_agent_call(_fresh(engines), provider, "transfers", api))
+    assert carrier.close_code == 1000 and carrier.close_reason == "call transferred to +15550001111"
+    if provider == "twilio":
+        (method, path, form), = api.requests
+        assert path == CALL_PATHS["twilio"] and "<Dial>+15550001111</Dial>" in form["Twiml"]
+    else:
+        assert api.requests == [("POST", CALL_PATHS["telnyx"] + "transfer", {"to": "+15550001111"})]
+
+
+def test_a_failed_hang_up_is_counted_and_the_stream_still_ends(engines, api):  # noqa: F811
+    api.requests.clear()
+    api.fail = True
+    try:
+        carrier, session = asyncio.run(_agent_call(_fresh(engines), "twilio", "hangs_up", api))
+    finally:
+        api.fail = False
+    assert api.requests and carrier.close_code == 1000  # Twilio ends a call whose stream ends
+
+
+def test_keys_answer_collect_digits_and_are_no_turn_of_their_own(engines, api):  # noqa: F811
+    """dtmf: tool: keys pressed go to the collect_digits call (ended by #), not into turns."""
+    def press(carrier):
+        for key in "42#":
+            carrier.dtmf(key)
+
+    async def go():
+        carrier = Carrier()
+        carrier.connected()
+        carrier.start(parameters={"agent": "collects"})
+        press(carrier)
+        served, registry = await _call(_fresh(engines), carrier, cfg=_cfg(engine_timeout_s=5.0), phone=AGENTS,
+                                       calls=_calls("twilio", api))
+        session = await registry.first()
+        await _until(session, lambda: any(i.kind == "function_call_output" for i in session.core.history.items))
+        carrier.stop()
+        await asyncio.wait_for(served, 30)
+        return session.core.history.items
+
+    items = asyncio.run(go())
+    calls = [i for i in items if i.kind == "function_call" and i.name == "collect_digits"]
+    outputs = [i for i in items if i.kind == "function_call_output"]
+    max_digits = json.loads(calls[0].arguments)["max_digits"]
+    assert outputs[0].call_id == calls[0].call_id and outputs[0].text == "42"[:max_digits]
+    assert not [i for i in items if i.role == "user"]  # the keys made no user turn
+
+
+def test_a_call_takes_its_agents_settings_and_an_unknown_agent_is_refused(engines, api):  # noqa: F811
+    async def go():
+        carrier = Carrier()
+        carrier.connected()
+        carrier.start(parameters={"agent": "plain", "voice": "default"})
+        served, registry = await _call(_fresh(engines), carrier, phone=AGENTS)
+        session = await registry.first()
+        carrier.dtmf("1")  # a turn: its reply's first audio shows the call has started
+        await carrier.wait(lambda sent: any(m["event"] == "media" for m in sent))
+        agent = session.core.agent
+        carrier.stop()
+        await asyncio.wait_for(served, 30)
+        unknown = Carrier()
+        unknown.start(parameters={"agent": "nobody"})
+        served, _ = await _call(_fresh(engines), unknown, phone=AGENTS)
+        await asyncio.wait_for(served, 30)
+        return agent, unknown
+
+    agent, unknown = asyncio.run(go())
+    assert agent.instructions == "You answer the phone for a bakery." and not agent.tools
+    assert unknown.close_code == 1008 and "'nobody'" in unknown.close_reason
+
+
+def test_the_agent_hangs_up_only_once_its_goodbye_has_played(api):
+    """Scripted engines (tests/test_conversation.py): the reply says ten words (800 ms of audio),
+    then calls end_call. The carrier plays at real time and echoes each mark as it plays: the
+    hang-up reaches the carrier's API after the last echo, not when the reply was generated."""
+    from pipeline.engines import ToolCall
+    from tests.test_conversation import Engines
+
+    goodbye = "Thank you for calling, goodbye and have a lovely day now. "
+    scripted = Engines([goodbye, ToolCall("call_1", "end_call", "{}")], [])
+    agents = read_phone_section({"agents": {"polite": {"tools": ["end_call"]}}})
+
+    async def go():
+        carrier = Carrier(play=True)
+        carrier.connected()
+        carrier.start(parameters={"agent": "polite"})
+        carrier.dtmf("1")
+        served, _ = await _call(scripted, carrier, phone=agents, calls=_calls("twilio", api))
+        await asyncio.wait_for(served, 30)
+        return carrier
+
+    api.requests.clear()
+    api.arrived.clear()
+    carrier = asyncio.run(go())
+    assert carrier.close_code == 1000 and len(carrier.echoed_at) == len(carrier.of("mark")) >= 10
+    assert len(api.requests) == 1 and api.arrived[0] >= carrier.echoed_at[-1]

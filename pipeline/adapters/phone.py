@@ -9,6 +9,12 @@ back as 20 ms G.711 frames, each reply chunk followed by a ``mark``: the carrier
 caller's phone has played the audio before it, and the echo becomes ``Played``, so a reply cut by
 a barge-in keeps in the history exactly what the caller heard. A cut reply's queued audio is
 dropped at the carrier with ``clear``. ``stop`` (the call ended) closes the session.
+
+Who answers is the call's agent (``pipeline/phone_config.py``): named by the start parameter
+``agent`` (else the configured default), with ``instructions`` and ``voice`` parameters over it.
+Its built-in call tools run here, between frames: ``end_call`` and ``transfer_call`` act through
+the carrier's REST API (``pipeline/call_control.py``) once the reply has played (its last mark
+echoed); ``collect_digits`` takes keys as its result where the agent says ``dtmf: tool``.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import numpy as np
@@ -31,7 +38,10 @@ from pipeline.conversation.observer import Observer
 from pipeline.conversation.reply import CANCELLED
 from pipeline.engines import Backends
 from pipeline.admission import E_UNAUTHORIZED
+from pipeline.adapters.call_tools import CallTools
+from pipeline.call_control import CallControl
 from pipeline.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION
+from pipeline.phone_config import PhoneConfig
 from pipeline.session_config import SessionConfig
 from pipeline.telephony import DIALECTS, FRAME_BYTES, CallStart, StreamError, digit, mark_name, payload
 
@@ -44,6 +54,14 @@ START_WITHIN_S = 10.0  # a stream that has not started by then is closed (carrie
 SILENCE = {"audio/pcmu": b"\xff", "audio/pcma": b"\xd5"}  # G.711's zero sample
 
 
+@dataclass(frozen=True)
+class SentMark:
+    item_id: str
+    audio_ms: float  # the reply's audio up to this mark
+    chunk_ms: float  # the chunk it follows
+    sent_at: float
+
+
 def _monotonic() -> float:
     return time.monotonic()
 
@@ -52,16 +70,21 @@ class PhoneSession(WireSession):
     def __init__(self, send: Callable[[str], Awaitable[None]], backends: Backends, cfg: SessionConfig | None = None,
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
                  observer: Observer | None = None, provider: str = "twilio",
-                 verify: Callable[[str | None], Awaitable[bool]] | None = None):
+                 verify: Callable[[str | None], Awaitable[bool]] | None = None, phone: PhoneConfig | None = None,
+                 calls: CallControl | None = None):
         super().__init__(send)
         self.dialect = DIALECTS[provider]
         self.core = Conversation(self.emit, backends, cfg, session_id, smart_turn, voices, _monotonic, observer)
+        self.observer = self.core.shared.observer
         self.verify = verify
+        self.phone = phone or PhoneConfig()
+        self.tools = CallTools(self.core, self.phone, calls, _monotonic)
         self.call: CallStart | None = None
         self._decoder: Decoder | None = None
         self._encoders: dict[str, Encoder] = {}  # reply id -> its encoder
         self._unsent = b""  # encoded audio short of a whole frame
-        self._marks: OrderedDict[str, tuple[str, float]] = OrderedDict()  # mark -> (item id, audio ms up to it)
+        self._marks: OrderedDict[str, SentMark] = OrderedDict()  # marks awaiting their echo
+        self._last_echo: tuple[str, float] | None = None  # (item id, when) of the last echoed mark
         self._start_by = _monotonic() + START_WITHIN_S
 
     @staticmethod
@@ -69,11 +92,18 @@ class PhoneSession(WireSession):
         return json.dumps({"event": "error", "code": code, "message": message})  # carriers ignore it; logs show it
 
     def next_deadline(self) -> float:
-        return self.core.next_deadline() if self.call is not None else min(self.core.next_deadline(), self._start_by)
+        due = [self.core.next_deadline(), self.tools.next_deadline(played=not self._marks)]
+        if self.call is None:
+            due.append(self._start_by)
+        return min(d for d in due if d is not None)
 
     async def check_deadlines(self) -> bool:
         if self.call is None and _monotonic() >= self._start_by:
             raise CloseConnection(None, "no start", CLOSE_POLICY_VIOLATION, f"no start within {START_WITHIN_S:g} s")
+        await self.tools.run_asked()
+        if self.tools.ends_now(played=not self._marks):
+            what = await self.tools.end_call(self.call.call_id)
+            raise CloseConnection(None, f"the call was {what}", CLOSE_NORMAL, f"call {what}"[:120])
         return await self.core.check_deadlines()
 
     # ------------------------------------------------------------------ carrier messages in
@@ -91,7 +121,7 @@ class PhoneSession(WireSession):
             elif event == "media":
                 await self._media(msg)
             elif event == "dtmf":
-                await self.core.do(C.Digits(digit(msg)))
+                await self.tools.key(digit(msg))
             elif event == "mark":
                 await self._echoed(mark_name(msg))
             elif event == "stop":
@@ -124,7 +154,25 @@ class PhoneSession(WireSession):
             self.core.shared.observer.error(E_UNAUTHORIZED)
             raise CloseConnection(None, "the stream's credential was refused", CLOSE_POLICY_VIOLATION, "unauthorized")
         self.call, self._decoder = call, Decoder(call.audio)
+        await self._answer_as(call.parameters)
         log.info("call %s (%s) streams as session %s", call.call_id, self.dialect.name, self.id)
+
+    async def _answer_as(self, parameters: dict[str, str]) -> None:
+        """The call's agent: the one its ``agent`` parameter names (else the default), its
+        ``instructions`` and ``voice`` parameters over it."""
+        name = parameters.get("agent")
+        try:
+            agent = self.tools.agent = self.phone.agent(name)
+        except KeyError:
+            raise StreamError(f"the call names agent {name!r}, which this server does not have") from None
+        changes = agent.settings()
+        changes.update({k: parameters[k] for k in ("instructions", "voice") if k in parameters})
+        try:
+            await self.core.do(C.Configure(agent=changes))
+        except BadSetting as exc:
+            raise StreamError(f"the call's {exc.param}: {exc.message}") from None
+        if agent.speaks_first:
+            await self.core.do(C.Respond())
 
     async def _media(self, msg: dict) -> None:
         pcm = self._decoder.decode(payload(msg))
@@ -132,10 +180,19 @@ class PhoneSession(WireSession):
             await self.core.do(C.Hear(pcm[start:start + USER_RATE]))
 
     async def _echoed(self, name: str) -> None:
-        """The audio before mark ``name`` has played on the caller's phone."""
+        """The audio before mark ``name`` has played on the caller's phone: how long it waited at
+        the carrier, and the dead air the caller heard before its chunk, go to the metrics."""
         sent = self._marks.pop(name, None)
-        if sent is not None:
-            await self.core.do(C.Played(*sent))
+        if sent is None:
+            return
+        now = _monotonic()
+        self.observer.phone_playback(self.dialect.name, now - sent.sent_at)
+        if self._last_echo is not None and self._last_echo[0] == sent.item_id:
+            self.observer.phone_gap(self.dialect.name, max(0.0, now - self._last_echo[1] - sent.chunk_ms / 1000))
+        self._last_echo = (sent.item_id, now)
+        await self.core.do(C.Played(sent.item_id, sent.audio_ms))
+        if self.tools.ending is not None and not self._marks:
+            self.core.deadline_changed.set()  # the agent's last words have played: the call ends now
 
     # ------------------------------------------------------------------ conversation events out
     async def emit(self, ev: E.Event) -> None:
@@ -143,6 +200,10 @@ class PhoneSession(WireSession):
             await self._audio(ev)
         elif isinstance(ev, E.ReplyDone):
             await self._reply_done(ev)
+        elif isinstance(ev, E.ToolCallAsked):
+            self.tools.ask(ev.call)
+        elif isinstance(ev, E.ToolCancelled):
+            self.tools.cancelled(ev.call.call_id)
         elif isinstance(ev, E.Error):
             log.info("call stream %s: %s: %s", self.id, ev.code, ev.message)  # a phone has no channel for it
 
@@ -155,7 +216,8 @@ class PhoneSession(WireSession):
         await self._frames(self._unsent + encoder.encode(ev.pcm))
         name = f"{reply.id}.{ev.seq}"
         unsent_ms = len(self._unsent) / (self.call.audio.rate / 1000)  # the part of a frame still here
-        self._marks[name] = (reply.item_id, 1000 * (reply.samples + len(ev.pcm)) / REPLY_RATE - unsent_ms)
+        self._marks[name] = SentMark(reply.item_id, 1000 * (reply.samples + len(ev.pcm)) / REPLY_RATE - unsent_ms,
+                                     1000 * len(ev.pcm) / REPLY_RATE, _monotonic())
         while len(self._marks) > MAX_MARKS:
             self._marks.popitem(last=False)
         await self._send(self.dialect.mark(self.call.stream_id, name))
@@ -170,8 +232,9 @@ class PhoneSession(WireSession):
         encoder = self._encoders.pop(ev.reply.id, None)
         if ev.reply.status == CANCELLED:  # what it queued is dropped: its late marks mean nothing
             self._unsent = b""
-            for name in [n for n, (item_id, _) in self._marks.items() if item_id == ev.reply.item_id]:
+            for name in [n for n, m in self._marks.items() if m.item_id == ev.reply.item_id]:
                 del self._marks[name]
+            self._last_echo = None
             await self._send(self.dialect.clear(self.call.stream_id))
         elif encoder is not None:  # the last samples, padded to a whole frame of silence
             tail = self._unsent + encoder.encode(np.zeros(0, np.int16), last=True)

@@ -24,3 +24,9 @@ class Observer:
 
     def speculation(self, outcome: str) -> None:
         """A preemptive LLM start's outcome: hit, miss or cancelled."""
+
+    def phone_playback(self, provider: str, seconds: float) -> None:
+        """A phone call's reply chunk played this long after it was sent (its mark's echo)."""
+
+    def phone_gap(self, provider: str, seconds: float) -> None:
+        """Dead air a caller heard before a reply chunk, measured by the marks."""

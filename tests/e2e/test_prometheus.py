@@ -76,6 +76,6 @@ def test_prometheus_scrapes_slo_histograms(server, prometheus):
         if all(r["health"] == "ok" for r in rules) or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert {r["name"] for r in rules} == {"AudioChunkGapOver500ms", "CompilesAfterWarmup", "UnseenShapesAfterWarmup",
-                                       "TimeToFirstAudioP95High"}
+    assert {r["name"] for r in rules} == {"AudioChunkGapOver500ms", "PhoneDeadAirOver500ms", "CompilesAfterWarmup",
+                                       "UnseenShapesAfterWarmup", "TimeToFirstAudioP95High"}
     assert all(r["health"] == "ok" for r in rules), rules
