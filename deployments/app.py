@@ -18,6 +18,7 @@ from deployments.tts import TTS
 from pipeline import metrics
 from pipeline.auth import AuthConfig, load_tokens
 from pipeline.llm.config import LLMConfig
+from pipeline.phone_config import read_phone_section
 from pipeline.session_config import read_session_section
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -44,6 +45,8 @@ class AppArgs(BaseModel):
     # auth is on (mode token) and the server does not start without a token: serving open
     # takes `auth: {mode: none}` written in the config.
     auth: dict[str, Any] = {}
+    # Phone calls (docs/phone.md): named agents, DTMF, and the carriers' accounts by environment name.
+    phone: dict[str, Any] = {}
 
 
 def _engine_config(cls, profile: str, device: str, overrides: dict[str, Any]):
@@ -78,12 +81,13 @@ def configs(args: AppArgs) -> dict[str, Any]:
                "llm": _engine_config(LLMConfig, args.profile, args.device, _llm_settings(args.llm)),
                "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts)}
     read_session_section(args.session)  # unknown names and bad values (a limit of 0) stop `serve run` here
+    read_phone_section(args.phone)
     auth_fields = {f.name for f in dataclasses.fields(AuthConfig)}
     unknown = set(args.auth) - auth_fields
     if unknown:
         raise ValueError(f"unknown auth settings {sorted(unknown)}; known: {sorted(auth_fields)}")
     load_tokens(AuthConfig(**args.auth))  # mode token without a token stops `serve run` here
-    return {**engines, "session": dict(args.session), "auth": dict(args.auth)}
+    return {**engines, "session": dict(args.session), "auth": dict(args.auth), "phone": dict(args.phone)}
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -92,4 +96,5 @@ def build_app(args: dict[str, Any]) -> Application:
         metrics.prepare_multiproc_dir(os.environ[metrics.MULTIPROC_ENV])
     window = read_session_section(cfg["session"])[1].resume_window_s
     return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"],
-                        cfg["tts"].voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window))
+                        cfg["tts"].voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window),
+                        cfg["phone"])

@@ -8,11 +8,12 @@ import os
 import time
 from pathlib import Path
 from typing import AsyncIterator
+from urllib.parse import parse_qsl
 
 import numpy as np
 import ray
 from fastapi import FastAPI, Request, WebSocket
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from ray import exceptions as ray_errors
 from ray import serve
@@ -35,7 +36,9 @@ from pipeline.client_limits import ClientLimits
 from pipeline.connection import (ClientGone, Resumption, SessionRegistry, refuse_options, serve_connection,
                                  session_options)
 from pipeline.keeper import Continuity
+from pipeline.phone_config import carrier_secrets, carriers_calls, read_phone_section
 from pipeline.telephony import DIALECTS
+from pipeline.twilio_webhook import MAX_FORM_BYTES, TwilioWebhook, WebhookRefused, signed_url, stream_url
 from pipeline.listening import warm_listening
 from pipeline.audio_constants import USER_RATE
 from pipeline.engines import (Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
@@ -210,7 +213,7 @@ async def _deny(ws: WebSocket, refused: Refused) -> None:
 class Gateway:
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
                  auth: dict, voices: tuple[str, ...] = ("default",), tickets: DeploymentHandle | None = None,
-                 store: DeploymentHandle | None = None):
+                 store: DeploymentHandle | None = None, phone: dict | None = None):
         metrics.serve_node_metrics()  # one replica of the node serves its metrics (pipeline/metrics.py)
         self.backends = RayBackends(stt, llm, tts)
         self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
@@ -245,12 +248,26 @@ class Gateway:
                         "`ray start`)", proxy_limits.ENV, proxy_limits.CALLBACK)
         if auth_cfg.mode == "none":
             log.warning("auth mode none: anyone who can reach this server's port can open sessions")
+        self._phone_calls(phone)
         # The turn-taking models load here, before the replica is ready, not on a first caller.
         warm_listening()
         self._health: asyncio.Future | None = None  # the last /healthz check (or the one in flight)
         self._health_at = 0.0
         self._app_name = serve.get_replica_context().app_name
         self._replica_tag = serve.get_replica_context().replica_tag.encode()
+
+    def _phone_calls(self, phone: dict | None) -> None:
+        """Phone calls (docs/phone.md): the agents, each carrier's call control and Twilio's
+        webhook, where the environment holds the carrier's account."""
+        self.phone = read_phone_section(phone)
+        self.call_controls = carriers_calls(self.phone)
+        twilio = carrier_secrets(self.phone.twilio)
+        self.twilio_webhook = None if twilio is None else TwilioWebhook(
+            twilio[0], self._claim_once, lambda: self.gate.auth.issue()[0], self.phone.replay_window_s)
+        for provider in DIALECTS:  # exported from the start, at 0
+            metrics.CALLS.labels(provider=provider).inc(0)
+            metrics.PHONE_PLAYBACK_DELAY.labels(provider=provider)
+            metrics.PHONE_GAP.labels(provider=provider)
 
     @api.get("/healthz")
     async def healthz(self):
@@ -415,9 +432,42 @@ class Gateway:
             metrics.CALLS.labels(provider=provider).inc()
             await serve_connection(conn, self.backends, self.session_cfg, self.sessions, PhoneSession,
                                    observer=metrics.MetricsObserver(), voices=self.voices, provider=provider,
-                                   verify=self._verify_stream)
+                                   verify=self._verify_stream, phone=self.phone,
+                                   calls=self.call_controls.get(provider))
 
         await self._serve_websocket(ws, serve, carrier=True)
+
+    @api.post("/v1/phone/twilio/voice")
+    async def twilio_voice(self, request: Request):
+        """Twilio's voice webhook for an incoming call (pipeline/twilio_webhook.py): TwiML that
+        connects the call to /v1/phone/twilio with a one-use ticket, for a request Twilio signed."""
+        if self.twilio_webhook is None:
+            return JSONResponse({"error": {"code": "not_configured", "message": "phone.twilio is not configured, or "
+                                           "its auth token is not set in the gateway's environment"}}, 404)
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_FORM_BYTES:
+                return JSONResponse({"error": {"code": "too_large", "message": "the form is too large"}}, 413)
+        form = dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
+        url = str(request.url)
+        try:
+            twiml = await self.twilio_webhook.answer(
+                signed_url(self.phone.public_url, url), form, request.headers.get("x-twilio-signature"),
+                stream_url(self.phone.public_url, url), dict(request.query_params))
+        except WebhookRefused as refused:
+            metrics.HANDSHAKES_REFUSED.labels(code="bad_signature").inc()
+            return JSONResponse({"error": {"code": "forbidden", "message": refused.message}}, refused.status)
+        return PlainTextResponse(twiml, media_type="application/xml", headers={"Cache-Control": "no-store"})
+
+    async def _claim_once(self, nonce: str, until: float) -> bool:
+        """True the first time ``nonce`` is claimed in the ledger every gateway replica shares."""
+        if self.tickets is None:
+            return self.gate.auth.redeemed.claim(nonce, until)
+        try:
+            return await asyncio.wait_for(self.tickets.claim.remote(nonce, until), timeout=2.0)
+        except Exception:  # noqa: BLE001 - the ledger is gone or busy: nothing is answered twice
+            return False
 
     async def _verify_stream(self, credential: str | None) -> bool:
         """A call stream's credential (its start parameter ``ticket``): a one-use ticket (claimed in

@@ -6,7 +6,8 @@ backticks that is:
   folder, or, a bare file name, somewhere in the tree;
 - a module or attribute of the project (``pipeline.*``, ``load.*``, ``deployments.*``, and every
   ``python -m X`` of the docs' commands) imports and resolves;
-- a setting (``session.X``, ``stt.X``, ``tts.X``, ``llm.X``, ``auth.X``) is a field of that config;
+- a setting (``session.X``, ``stt.X``, ``tts.X``, ``llm.X``, ``auth.X``, ``phone.X``; a carrier's
+  ``phone.twilio.X``, ``phone.telnyx.X``) is a field of that config;
   ``session.X`` may also be a key of the Realtime session object or a session event (``ready``,
   ``update``, ``updated``, ``created``).
 
@@ -24,6 +25,7 @@ import pytest
 
 from pipeline.auth import AuthConfig
 from pipeline.llm.config import LLMConfig
+from pipeline.phone_config import CarrierAccount, PhoneConfig
 from pipeline.realtime.settings import SESSION_KEYS
 from pipeline.session_config import LIMIT_NAMES, SETTING_NAMES, SessionConfig
 from pipeline.stt.config import STTConfig
@@ -42,7 +44,8 @@ NOT_OURS = {
     "dist.umd/msgpack.min.js": "the file of the @msgpack/msgpack npm package that web/vendor/ holds",
 }
 SESSION_EVENTS = {"ready", "update", "updated", "created"}
-SETTINGS = {"session": SessionConfig, "stt": STTConfig, "tts": TTSConfig, "llm": LLMConfig, "auth": AuthConfig}
+SETTINGS = {"session": SessionConfig, "stt": STTConfig, "tts": TTSConfig, "llm": LLMConfig, "auth": AuthConfig,
+            "phone": PhoneConfig, "carrier": CarrierAccount}
 
 
 def _spans(doc: Path) -> list[str]:
@@ -109,8 +112,9 @@ def test_named_settings_exist(doc):
     fields["session"] = SETTING_NAMES | LIMIT_NAMES  # the yaml's session: holds both
     unknown = []
     for span in _spans(doc):
-        m = re.fullmatch(r"(session|stt|tts|llm|auth)\.(\w+)(?:[:=].*)?", span)
-        if not m or m.group(2) in ("py",):
+        span = re.sub(r"^phone\.(twilio|telnyx)\.", "carrier.", span)
+        m = re.fullmatch(r"(session|stt|tts|llm|auth|phone|carrier)\.(\w+)(?:[:=].*)?", span)
+        if not m or m.group(2) in ("py", "md"):
             continue
         kind, name = m.groups()
         if name in fields[kind] or kind == "session" and (name in SESSION_KEYS or name in SESSION_EVENTS):
