@@ -19,6 +19,7 @@ from pipeline import metrics
 from pipeline.auth import AuthConfig, load_tokens
 from pipeline.llm.config import LLMConfig
 from pipeline.phone_config import read_phone_section
+from pipeline.webrtc_peer import read_webrtc_section
 from pipeline.session_config import read_session_section
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -47,6 +48,8 @@ class AppArgs(BaseModel):
     auth: dict[str, Any] = {}
     # Phone calls (docs/phone.md): named agents, DTMF, and the carriers' accounts by environment name.
     phone: dict[str, Any] = {}
+    # WebRTC calls (docs/webrtc.md): the ICE servers (STUN/TURN) a peer connection uses.
+    webrtc: dict[str, Any] = {}
 
 
 def _engine_config(cls, profile: str, device: str, overrides: dict[str, Any]):
@@ -82,12 +85,14 @@ def configs(args: AppArgs) -> dict[str, Any]:
                "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts)}
     read_session_section(args.session)  # unknown names and bad values (a limit of 0) stop `serve run` here
     read_phone_section(args.phone)
+    read_webrtc_section(args.webrtc)
     auth_fields = {f.name for f in dataclasses.fields(AuthConfig)}
     unknown = set(args.auth) - auth_fields
     if unknown:
         raise ValueError(f"unknown auth settings {sorted(unknown)}; known: {sorted(auth_fields)}")
     load_tokens(AuthConfig(**args.auth))  # mode token without a token stops `serve run` here
-    return {**engines, "session": dict(args.session), "auth": dict(args.auth), "phone": dict(args.phone)}
+    return {**engines, "session": dict(args.session), "auth": dict(args.auth), "phone": dict(args.phone),
+            "webrtc": dict(args.webrtc)}
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -97,4 +102,4 @@ def build_app(args: dict[str, Any]) -> Application:
     window = read_session_section(cfg["session"])[1].resume_window_s
     return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"],
                         cfg["tts"].voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window),
-                        cfg["phone"])
+                        cfg["phone"], cfg["webrtc"])

@@ -3,6 +3,7 @@
 # through Ray Serve's class-based view, or the WebSocket route rejects every handshake (403).
 import asyncio
 import functools
+import json
 import logging
 import os
 import time
@@ -29,9 +30,10 @@ from pipeline import metrics
 from pipeline.adapters.phone import PhoneSession
 from pipeline.adapters.realtime import RealtimeSession
 from pipeline.adapters.v1 import Session
+from pipeline.adapters.webrtc import WebRTCSession
 from pipeline import protocol as P
 from pipeline.admission import Gatekeeper, Handshake, Refused
-from pipeline.auth import TICKET_PARAM, AuthConfig, AuthError, Authenticator, load_tokens
+from pipeline.auth import TICKET_PARAM, AuthConfig, AuthError, Authenticator, bearer, load_tokens
 from pipeline.client_limits import ClientLimits
 from pipeline.connection import (ClientGone, Resumption, SessionRegistry, refuse_options, serve_connection,
                                  session_options)
@@ -39,6 +41,7 @@ from pipeline.keeper import Continuity
 from pipeline.phone_config import carrier_secrets, carriers_calls, read_phone_section
 from pipeline.telephony import DIALECTS
 from pipeline.twilio_webhook import MAX_FORM_BYTES, TwilioWebhook, WebhookRefused, signed_url, stream_url
+from pipeline.webrtc_peer import MAX_OFFER_BYTES, OfferRefused, Peer, read_webrtc_section
 from pipeline.listening import warm_listening
 from pipeline.audio_constants import USER_RATE
 from pipeline.engines import (Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
@@ -208,12 +211,44 @@ async def _deny(ws: WebSocket, refused: Refused) -> None:
         await ws.close(code=P.CLOSE_POLICY_VIOLATION)
 
 
+async def _json_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+async def _offer(request: Request) -> tuple[str, dict | None]:
+    """The call's SDP offer and session object: an application/sdp body, or multipart with
+    ``sdp`` and ``session`` (JSON). Raises OfferRefused."""
+    kind = request.headers.get("content-type", "")
+    if int(request.headers.get("content-length") or 0) > 4 * MAX_OFFER_BYTES:
+        raise OfferRefused("invalid_sdp", f"the offer must be at most {MAX_OFFER_BYTES} bytes", 413)
+    if kind.startswith("multipart/form-data"):
+        form = await request.form(max_files=0, max_fields=8, max_part_size=MAX_OFFER_BYTES)
+        sdp, session = form.get("sdp"), form.get("session")
+        try:
+            session = json.loads(session) if session else None
+        except ValueError:
+            raise OfferRefused("invalid_session", "the session part must be a JSON object") from None
+        if session is not None and not isinstance(session, dict):
+            raise OfferRefused("invalid_session", "the session part must be a JSON object")
+        return (sdp if isinstance(sdp, str) else ""), session
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_OFFER_BYTES:
+            raise OfferRefused("invalid_sdp", f"the offer must be at most {MAX_OFFER_BYTES} bytes", 413)
+    return body.decode("utf-8", "replace"), None
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1000)
 @serve.ingress(api)
 class Gateway:
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
                  auth: dict, voices: tuple[str, ...] = ("default",), tickets: DeploymentHandle | None = None,
-                 store: DeploymentHandle | None = None, phone: dict | None = None):
+                 store: DeploymentHandle | None = None, phone: dict | None = None, webrtc: dict | None = None):
         metrics.serve_node_metrics()  # one replica of the node serves its metrics (pipeline/metrics.py)
         self.backends = RayBackends(stt, llm, tts)
         self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
@@ -249,6 +284,12 @@ class Gateway:
         if auth_cfg.mode == "none":
             log.warning("auth mode none: anyone who can reach this server's port can open sessions")
         self._phone_calls(phone)
+        self.ice_servers = read_webrtc_section(webrtc)
+        self.rtc_calls: dict[str, Peer] = {}  # this replica's WebRTC calls (a call is pinned to its replica)
+        for direction in ("in", "out"):  # exported from the start, at 0
+            metrics.WEBRTC_JITTER.labels(direction=direction)
+            metrics.WEBRTC_PACKETS_LOST.labels(direction=direction).inc(0)
+        self._rtc_tasks: set[asyncio.Task] = set()
         # The turn-taking models load here, before the replica is ready, not on a first caller.
         warm_listening()
         self._health: asyncio.Future | None = None  # the last /healthz check (or the one in flight)
@@ -501,4 +542,89 @@ class Gateway:
                                    beta="realtime=v1" in hs.headers.get("openai-beta", ""))
 
         await self._serve_websocket(ws, serve)
+
+    # ------------------------------------------------------------------ WebRTC (docs/webrtc.md)
+    @api.post("/v1/realtime/client_secrets")
+    async def client_secrets(self, request: Request):
+        """An ephemeral key for a browser's WebRTC call, as OpenAI's client_secrets: a one-use
+        ticket, for a bearer token. The browser sends it as its Bearer on POST /v1/realtime/calls."""
+        hs = Handshake(dict(request.headers), {}, self.gate.auth.address_of(request))
+        try:
+            issued = self.gate.issue_ticket(hs)
+        except Refused as refused:
+            metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
+            return _refusal_response(refused)
+        body = await _json_body(request)
+        return JSONResponse({"value": issued["ticket"], "expires_at": int(time.time() + issued["expires_in_s"]),
+                             "session": body.get("session") or {}}, headers={"Cache-Control": "no-store"})
+
+    @api.post("/v1/realtime/calls")
+    async def realtime_call(self, request: Request):
+        """A WebRTC call (OpenAI's interface): an SDP offer, raw (application/sdp) or multipart with
+        ``sdp`` and ``session``; 201 with the SDP answer and the call's Location. The credential is
+        a Bearer token or an ephemeral key from /v1/realtime/client_secrets."""
+        hs = self._call_handshake(request)
+        try:
+            admission = self.gate.admit(hs)
+        except Refused as refused:
+            metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
+            return _refusal_response(refused)
+        try:
+            await self._claim_ticket(hs)
+            if self.sessions.full or self.sessions.draining:
+                raise Refused(P.E_SERVER_BUSY, "this server is at its session limit; try again shortly")
+            offer, session = await _offer(request)
+            peer = Peer(self.ice_servers, on_stats=metrics.webrtc_stats)
+            answer = await peer.answer(offer)
+        except Refused as refused:
+            admission.release()
+            metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
+            return _refusal_response(refused)
+        except OfferRefused as refused:
+            admission.release()
+            return JSONResponse({"error": {"type": "invalid_request_error", "code": refused.code,
+                                           "message": refused.message}}, refused.status)
+        except BaseException:
+            admission.release()
+            raise
+        metrics.WEBRTC_CALLS.inc()
+        self.rtc_calls[peer.id] = peer
+        task = asyncio.create_task(self._serve_call(peer, admission, session, hs.query.get("model")))
+        self._rtc_tasks.add(task)
+        task.add_done_callback(self._rtc_tasks.discard)
+        return Response(answer, status_code=201, media_type="application/sdp",
+                        headers={"Location": f"/v1/realtime/calls/{peer.id}"})
+
+    def _call_handshake(self, request: Request) -> Handshake:
+        """The call's handshake; an ephemeral key (a ticket) sent as the Bearer is checked as a ticket."""
+        headers, query = dict(request.headers), dict(request.query_params)
+        token = bearer(headers)
+        if token is not None and not self.gate.auth.token_ok(token) and token.count(".") == 3:
+            headers = {k: v for k, v in headers.items() if k != "authorization"}
+            query[TICKET_PARAM] = token
+        return Handshake(headers, query, self.gate.auth.address_of(request))
+
+    async def _serve_call(self, peer: Peer, admission, session: dict | None, model: str | None) -> None:
+        try:
+            await serve_connection(peer, self.backends, self.session_cfg, self.sessions, WebRTCSession,
+                                   observer=metrics.MetricsObserver(), voices=self.voices, model=model or "gapless",
+                                   peer=peer, session=session)
+        finally:
+            admission.release()
+            self.rtc_calls.pop(peer.id, None)
+            await peer.close()
+
+    @api.post("/v1/realtime/calls/{call_id}/hangup")
+    async def hang_up_call(self, call_id: str, request: Request):
+        """End a WebRTC call held by this gateway replica (closing the peer connection ends it too)."""
+        try:
+            self.gate.auth.require_token(dict(request.headers))
+        except AuthError as exc:
+            return _refusal_response(Refused("unauthorized", str(exc)))
+        peer = self.rtc_calls.get(call_id)
+        if peer is None:
+            return JSONResponse({"error": {"code": "call_not_found", "message": f"no call {call_id[:40]!r} on this "
+                                           "gateway replica (a call is held by the replica that answered it)"}}, 404)
+        await peer.close()
+        return Response(status_code=200)
 

@@ -111,6 +111,12 @@ for _outcome in ("hit", "miss", "cancelled"):
     SPECULATIONS.labels(outcome=_outcome)  # exported at 0 from the start
 SMART_TURN = Histogram("voice_smart_turn_seconds", "One Smart Turn end-of-turn call (gateway).", buckets=LATENCY_BUCKETS)
 CALLS = Counter("voice_calls", "Phone calls' media streams opened, by carrier.", ["provider"])
+WEBRTC_CALLS = Counter("voice_webrtc_calls", "WebRTC calls answered (POST /v1/realtime/calls).")
+WEBRTC_JITTER = Histogram(
+    "voice_webrtc_jitter_seconds", "RTP jitter of WebRTC calls' audio as RTCP reports it: in (the caller's, as "
+    "received here), out (the reply's, as the caller's receiver reports it).", ["direction"], buckets=LATENCY_BUCKETS)
+WEBRTC_PACKETS_LOST = Counter(
+    "voice_webrtc_packets_lost", "RTP packets of WebRTC calls' audio lost, as RTCP reports them.", ["direction"])
 PHONE_PLAYBACK_DELAY = Histogram(
     "voice_phone_playback_delay_seconds", "A phone call's reply chunk, from sent to played on the caller's phone "
     "(its mark's echo): the carrier's buffer and the network.", ["provider"], buckets=LATENCY_BUCKETS)
@@ -121,6 +127,12 @@ ERRORS = Counter("voice_errors", "Error messages sent to clients, by code.", ["c
 HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket requests refused before the "
                              "upgrade, by code (unauthorized, origin_not_allowed, too_many_handshakes, "
                              "too_many_sessions).", ["code"])
+
+
+def webrtc_stats(direction: str, jitter_s: float, lost: int) -> None:
+    """One reading of a WebRTC call's RTCP numbers (pipeline/webrtc_peer.py)."""
+    WEBRTC_JITTER.labels(direction=direction).observe(jitter_s)
+    WEBRTC_PACKETS_LOST.labels(direction=direction).inc(lost)
 
 
 class MetricsObserver(Observer):

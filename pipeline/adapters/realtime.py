@@ -123,7 +123,11 @@ class RealtimeSession(WireSession):
         await self.send(E.error(E.INVALID_REQUEST, code, message, param, self._client_event_id))
 
     async def _session_update(self, event: dict) -> None:
-        update = R.field_object(event, "session")
+        await self._configure(R.field_object(event, "session"))
+        await self.send({"type": "session.updated", "session": self.describe()})
+
+    async def _configure(self, update: dict) -> None:
+        """Apply a session object's changes, every one checked first (raises, changing nothing)."""
         update = S.known(S.from_beta(update) if self.beta else update)
         clip = ((update.get("audio") or {}).get("output") or {}).pop("voice_clip", None)
         merged = S.deep_merge(self.session, update)
@@ -137,7 +141,6 @@ class RealtimeSession(WireSession):
                                                            "seconds": round(len(reference.codes) * CODEC_FRAME_S, 2)}
         if self._decoder.format != terms.input_format:
             self._decoder = Decoder(terms.input_format)
-        await self.send({"type": "session.updated", "session": self.describe()})
 
     async def _append(self, event: dict) -> None:
         await self._hear(R.appended_audio(event, self._decoder))

@@ -1,0 +1,100 @@
+"""The OpenAI Realtime protocol over a WebRTC call (``pipeline/webrtc_peer.py``): the same client
+and server events, on the ``oai-events`` data channel, onto the same conversation core as the
+WebSocket adapter, of which this is a subclass. What differs is the audio:
+
+- the caller's audio comes from the call's track (``MicAudio`` frames), not in
+  ``input_audio_buffer.append`` events;
+- reply audio goes to the reply track, not into ``response.output_audio.delta`` events; as on
+  OpenAI's WebRTC interface, ``output_audio_buffer.started`` says a response's audio began and
+  ``output_audio_buffer.cleared`` that a cut response's queued audio was dropped;
+- what the caller heard of a cut reply is known from the track: the samples handed to the
+  encoder, less half RTCP's round trip and the receiver's jitter buffer (``JITTER_BUFFER_MS``),
+  told to the core as ``Played`` before each microphone frame; ``conversation.item.truncate``
+  still works, as on the WebSocket;
+- the server holds the playback buffer here (a WebSocket client holds its own), so speech over a
+  reply that has been sent whole but still plays clears the track too, and its item is truncated
+  to what was heard (``conversation.item.truncated``), as OpenAI's WebRTC server does.
+"""
+from __future__ import annotations
+
+from pipeline.adapters.realtime import RealtimeSession
+from pipeline.audio_constants import REPLY_RATE
+from pipeline.conversation import commands as C
+from pipeline.conversation import events as CE
+from pipeline.conversation.reply import COMPLETED
+from pipeline.webrtc_peer import MicAudio, Peer
+
+JITTER_BUFFER_MS = 40.0  # what a browser's receiver holds before it plays (Chrome's NetEq: 20-80 ms)
+
+
+class WebRTCSession(RealtimeSession):
+    def __init__(self, send, backends, cfg=None, session_id=None, smart_turn=None, voices=("default",),
+                 model: str = "gapless", observer=None, peer: Peer | None = None, session: dict | None = None):
+        super().__init__(send, backends, cfg, session_id, smart_turn, voices, model, False, observer)
+        self.peer = peer
+        self.initial = session  # the session object the call was made with (multipart "session")
+        self._told: tuple[str | None, float] = (None, 0.0)  # the last Played told to the core
+        self._speaking: set[str] = set()  # responses whose audio began
+        self._playing: tuple[str, str] | None = None  # (response, item) of audio the track still plays
+        self._speech_over_playing = False  # the user began to speak while the track played a done reply
+
+    async def start(self) -> None:
+        if self.initial:
+            await self._configure(dict(self.initial))
+        await super().start()
+
+    async def on_frame(self, frame) -> None:
+        if isinstance(frame, MicAudio):
+            self.core.touch()
+            await self._tell_played()
+            await self._hear(frame.pcm)
+            if self._speech_over_playing:
+                await self._stop_playing()
+            return
+        await super().on_frame(frame)
+
+    async def _tell_played(self) -> None:
+        item_id, heard_ms = self._heard_ms()
+        if item_id is not None and heard_ms > 0 and (item_id, heard_ms) != self._told:
+            self._told = (item_id, heard_ms)
+            await self.core.do(C.Played(item_id, heard_ms))
+
+    def _heard_ms(self) -> tuple[str | None, float]:
+        item_id, samples = self.peer.speaker.sent
+        return item_id, 1000 * samples / REPLY_RATE - 500 * self.peer.rtt_s - JITTER_BUFFER_MS
+
+    async def _stop_playing(self) -> None:
+        """Speech over a reply that was sent whole and still plays: the track drops the rest, and
+        the item keeps what was heard."""
+        self._speech_over_playing = False
+        playing, self._playing = self._playing, None
+        if playing is None or self.peer.speaker.idle:
+            return
+        self.peer.speaker.clear()
+        response_id, item_id = playing
+        await self.send({"type": "output_audio_buffer.cleared", "response_id": response_id})
+        sent_item, heard_ms = self._heard_ms()
+        if sent_item == item_id and any(i.id == item_id for i in self.core.history.items):
+            end = max(0, int(heard_ms))
+            await self.core.do(C.Truncate(item_id, end))
+            await self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
+                             "audio_end_ms": end})
+
+    async def emit(self, ev: CE.Event) -> None:
+        if isinstance(ev, CE.SpeechStarted) and self._playing is not None and not self.core.replies.running \
+                and self.core.cfg.barge_in_mode != "off":
+            self._speech_over_playing = True  # acted on once this frame has been heard
+        if isinstance(ev, CE.ReplyAudio):
+            if ev.reply.id not in self._speaking:
+                self._speaking.add(ev.reply.id)
+                await self.send({"type": "output_audio_buffer.started", "response_id": ev.reply.id})
+            self.peer.speaker.push(ev.reply.item_id, ev.pcm)
+            return
+        if isinstance(ev, CE.ReplyDone) and ev.reply.id in self._speaking:
+            self._speaking.discard(ev.reply.id)
+            if ev.reply.status != COMPLETED:
+                self.peer.speaker.clear()  # the cut reply stops within the frame being sent
+                await self.send({"type": "output_audio_buffer.cleared", "response_id": ev.reply.id})
+            else:
+                self._playing = (ev.reply.id, ev.reply.item_id)  # sent whole; the track plays it out
+        await super().emit(ev)

@@ -1,0 +1,307 @@
+"""One WebRTC call's peer connection (aiortc), as the Connection a session is served over.
+
+The browser (or any client written for OpenAI's WebRTC interface) offers audio and a data channel
+named ``oai-events``; :meth:`Peer.answer` checks the offer, answers it, and from then on:
+
+- the caller's Opus, decoded by aiortc, is resampled to the recogniser's rate (PyAV's resampler)
+  and handed to the session as :class:`MicAudio` frames, in order with the channel's events;
+- the session's reply audio goes into :class:`ReplyTrack`, whose ``recv`` aiortc's sender calls:
+  it hands out 20 ms frames on its own clock (as aiortc's ``AudioStreamTrack`` does), reply audio
+  where there is some, silence otherwise, so there is no pacing loop of ours beside aiortc's;
+  a cut reply is dropped from it at once (``clear``), within the frame being sent;
+- a peer whose ICE does not connect within ``ICE_CONNECT_WITHIN_S`` is closed, and so is one
+  whose connection fails or closes: the session then ends as when a WebSocket client leaves.
+
+Nothing here is unbounded: the inbox (events and microphone frames), the reply audio queued and
+the data channel's send buffer each have a cap.
+"""
+from __future__ import annotations
+
+import asyncio
+import fractions
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from aiortc.sdp import SessionDescription
+from av import AudioFrame, AudioResampler
+
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
+from pipeline.history import new_id
+
+log = logging.getLogger(__name__)
+
+DATA_CHANNEL = "oai-events"
+MAX_OFFER_BYTES = 64 * 1024
+ICE_CONNECT_WITHIN_S = 15.0
+FRAME_S = 0.02
+REPLY_FRAME = int(REPLY_RATE * FRAME_S)  # 480 samples at 24 kHz
+MAX_QUEUED_REPLY_S = 30.0  # reply audio waiting for the track (the session paces it a little ahead)
+MAX_INBOX = 512  # events and 20 ms microphone frames waiting for the session (10 s of audio)
+MAX_CHANNEL_BUFFER = 1 << 20  # bytes the data channel may hold unsent before the peer counts as gone
+MAX_EARLY_EVENTS = 256  # events sent before the data channel opened, kept for it
+STATS_EVERY_S = 5.0
+
+
+class OfferRefused(Exception):
+    """An offer this server cannot answer: HTTP ``status`` with ``code`` and ``message``."""
+
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code, self.message, self.status = code, message, status
+
+
+@dataclass(frozen=True)
+class MicAudio:
+    """20 ms of the caller's microphone, int16 at the recogniser's rate."""
+
+    pcm: np.ndarray
+
+
+def check_offer(sdp: str) -> None:
+    """Raise OfferRefused unless ``sdp`` is an SDP offer with an audio section that offers Opus."""
+    if not sdp.strip() or len(sdp.encode()) > MAX_OFFER_BYTES:
+        raise OfferRefused("invalid_sdp", f"the offer must be an SDP body of at most {MAX_OFFER_BYTES} bytes")
+    try:
+        parsed = SessionDescription.parse(sdp)
+    except Exception as exc:  # noqa: BLE001 - aiortc's parser raises whatever it meets
+        raise OfferRefused("invalid_sdp", f"the offer is not valid SDP ({type(exc).__name__})") from None
+    if not sdp.lstrip().startswith("v=0") or not parsed.media:
+        raise OfferRefused("invalid_sdp", "the offer is not an SDP offer (v=0, then its media sections)")
+    audio = [m for m in parsed.media if m.kind == "audio"]
+    if not audio:
+        raise OfferRefused("no_audio", "the offer has no audio section: offer the microphone's track (sendrecv)")
+    if not any(c.mimeType.lower() == "audio/opus" for m in audio for c in m.rtp.codecs):
+        raise OfferRefused("unsupported_codec", "the offer's audio has no Opus; this server speaks Opus only")
+
+
+class ReplyTrack(MediaStreamTrack):
+    """The reply's outgoing audio track. ``sent``: the reply item on the wire and how many of its
+    samples have gone to the encoder."""
+
+    kind = "audio"
+
+    def __init__(self):
+        super().__init__()
+        self._queue: deque[tuple[str, np.ndarray]] = deque()
+        self._queued = 0  # samples in the queue
+        self._start: float | None = None
+        self._timestamp = 0
+        self.sent: tuple[str | None, int] = (None, 0)
+        self.dropped = 0  # samples refused for lack of room
+
+    def push(self, item_id: str, pcm: np.ndarray) -> None:
+        if self._queued + len(pcm) > MAX_QUEUED_REPLY_S * REPLY_RATE:
+            self.dropped += len(pcm)
+            return
+        self._queue.append((item_id, pcm))
+        self._queued += len(pcm)
+
+    def clear(self) -> None:
+        self._queue.clear()
+        self._queued = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue
+
+    def _take(self) -> np.ndarray:
+        out = np.zeros(REPLY_FRAME, np.int16)
+        filled = 0
+        while filled < REPLY_FRAME and self._queue:
+            item_id, pcm = self._queue[0]
+            n = min(REPLY_FRAME - filled, len(pcm))
+            out[filled:filled + n] = pcm[:n]
+            filled += n
+            self._queued -= n
+            if n == len(pcm):
+                self._queue.popleft()
+            else:
+                self._queue[0] = (item_id, pcm[n:])
+            before = self.sent[1] if self.sent[0] == item_id else 0
+            self.sent = (item_id, before + n)
+        return out
+
+    async def recv(self):
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start is None:
+            self._start = time.time()
+        else:
+            self._timestamp += REPLY_FRAME
+            wait = self._start + self._timestamp / REPLY_RATE - time.time()
+            if wait > 0:
+                await asyncio.sleep(wait)  # the track's clock: one frame every 20 ms
+        frame = AudioFrame.from_ndarray(self._take().reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = REPLY_RATE
+        frame.pts = self._timestamp
+        frame.time_base = fractions.Fraction(1, REPLY_RATE)
+        return frame
+
+
+class Peer:
+    """One call: the peer connection, its inbox and its reply track. It is the session's
+    Connection (``receive``, ``send``, ``close``)."""
+
+    def __init__(self, ice_servers: list[dict] | None = None, on_stats: Callable[[str, float, int], None] | None = None):
+        self.id = new_id("rtc")
+        config = RTCConfiguration(iceServers=[RTCIceServer(**s) for s in ice_servers or []])
+        self.pc = RTCPeerConnection(config)
+        self.speaker = ReplyTrack()
+        self.inbox: asyncio.Queue = asyncio.Queue(MAX_INBOX)
+        self.channel = None
+        self.channel_open = asyncio.Event()
+        self._early: deque[str] = deque(maxlen=MAX_EARLY_EVENTS)  # sent before the channel opened
+        self.dropped_mic_frames = 0
+        self.on_stats = on_stats or (lambda direction, jitter_s, lost: None)
+        self.rtt_s = 0.0  # the latest round trip RTCP measured
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        self._lost = {"in": 0, "out": 0}
+        self.pc.on("track", self._on_track)
+        self.pc.on("datachannel", self._on_datachannel)
+        self.pc.on("connectionstatechange", self._on_state)
+        self._connected = asyncio.Event()
+
+    async def answer(self, offer_sdp: str) -> str:
+        """Check and answer the offer; returns the answer's SDP (ICE candidates gathered in it)."""
+        check_offer(offer_sdp)
+        try:
+            await self.pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
+            self.pc.addTrack(self.speaker)
+            await self.pc.setLocalDescription(await self.pc.createAnswer())
+        except Exception as exc:  # noqa: BLE001 - aiortc refuses what it cannot negotiate
+            await self.close()
+            raise OfferRefused("invalid_sdp", f"the offer cannot be answered: {exc}"[:300]) from None
+        self._spawn(self._watch())
+        return self.pc.localDescription.sdp
+
+    # ------------------------------------------------------------------ Connection
+    async def receive(self):
+        return await self.inbox.get()
+
+    async def send(self, frame: bytes | str) -> None:
+        if self._closed:
+            from pipeline.connection import ClientGone
+
+            raise ClientGone()
+        if self.channel is None or not self.channel_open.is_set():
+            self._early.append(frame)  # the channel opens after the answer: they go out then
+            return
+        if self.channel.bufferedAmount > MAX_CHANNEL_BUFFER:
+            from pipeline.connection import ClientGone
+
+            log.warning("call %s: the data channel holds %d bytes unread: closing", self.id, self.channel.bufferedAmount)
+            await self.close()
+            raise ClientGone()
+        self.channel.send(frame)
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._put(None)  # the session ends at its next receive
+        for task in self._tasks - {asyncio.current_task()}:
+            task.cancel()
+        self.speaker.stop()
+        await self.pc.close()
+
+    # ------------------------------------------------------------------ aiortc's events
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _put(self, item) -> None:
+        try:
+            self.inbox.put_nowait(item)
+        except asyncio.QueueFull:
+            if item is None:  # the end must get through: make room for it
+                self.inbox.get_nowait()
+                self.inbox.put_nowait(None)
+            elif isinstance(item, MicAudio):
+                self.dropped_mic_frames += 1
+            else:
+                log.warning("call %s: the session is not keeping up with the data channel: closing", self.id)
+                self._spawn(self.close())
+
+    def _on_track(self, track) -> None:
+        if track.kind == "audio":
+            self._spawn(self._hear(track))
+
+    async def _hear(self, track) -> None:
+        resampler = AudioResampler(format="s16", layout="mono", rate=USER_RATE)
+        try:
+            while True:
+                frame = await track.recv()
+                for out in resampler.resample(frame):
+                    self._put(MicAudio(out.to_ndarray().reshape(-1).astype(np.int16)))
+        except MediaStreamError:
+            pass
+
+    def _on_datachannel(self, channel) -> None:
+        if channel.label != DATA_CHANNEL or self.channel is not None:
+            log.info("call %s: data channel %r ignored (events go on %r)", self.id, channel.label, DATA_CHANNEL)
+            return
+        self.channel = channel
+        if channel.readyState == "open":
+            self._opened()
+        channel.on("open", self._opened)
+        channel.on("message", lambda message: self._put(message if isinstance(message, str) else message.decode(
+            "utf-8", "replace")))
+        channel.on("close", lambda: self._spawn(self.close()))
+
+    def _opened(self) -> None:
+        while self._early:
+            self.channel.send(self._early.popleft())
+        self.channel_open.set()
+
+    async def _on_state(self) -> None:
+        if self.pc.connectionState == "connected":
+            self._connected.set()
+        elif self.pc.connectionState in ("failed", "closed"):
+            await self.close()
+
+    async def _watch(self) -> None:
+        """Close a peer whose ICE does not connect in time; then read RTCP's numbers now and then."""
+        try:
+            await asyncio.wait_for(self._connected.wait(), ICE_CONNECT_WITHIN_S)
+        except TimeoutError:
+            log.info("call %s: ICE did not connect within %g s: closing", self.id, ICE_CONNECT_WITHIN_S)
+            await self.close()
+            return
+        while True:
+            await asyncio.sleep(STATS_EVERY_S)
+            await self._read_stats()
+
+    async def _read_stats(self) -> None:
+        report = await self.pc.getStats()
+        for stats in report.values():
+            direction = {"inbound-rtp": "in", "remote-inbound-rtp": "out"}.get(stats.type)
+            if direction is None or stats.kind != "audio":
+                continue
+            lost = max(0, stats.packetsLost - self._lost[direction])
+            self._lost[direction] = max(self._lost[direction], stats.packetsLost)
+            self.on_stats(direction, stats.jitter / 48_000, lost)  # Opus's RTP clock is 48 kHz
+            if direction == "out" and stats.roundTripTime:
+                self.rtt_s = stats.roundTripTime
+
+
+def read_webrtc_section(section: dict | None) -> list[dict]:
+    """``webrtc:`` of a serve config -> its ICE servers (``{urls, username, credential}`` each,
+    as RTCIceServer takes them); an unknown name or a bad server raises ValueError."""
+    section = dict(section or {})
+    unknown = set(section) - {"ice_servers"}
+    if unknown:
+        raise ValueError(f"unknown webrtc settings {sorted(unknown)}; known: ['ice_servers']")
+    servers = [dict(s) for s in section.get("ice_servers") or []]
+    for server in servers:
+        if set(server) - {"urls", "username", "credential"} or not server.get("urls"):
+            raise ValueError(f"an ICE server is {{urls, username, credential}} with urls set, got {server!r}")
+        RTCIceServer(**server)
+    return servers

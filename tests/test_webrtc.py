@@ -1,0 +1,141 @@
+"""WebRTC calls in-process (pipeline/webrtc_peer.py, pipeline/adapters/webrtc.py): a real aiortc
+peer pair on loopback, the server's session over scripted engines (tests/test_conversation.py),
+so what the reply says, clause by clause, is known. (Against `serve run`: tests/e2e/test_webrtc.py.)"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from aiortc import RTCPeerConnection
+
+from load.webrtc_client import RtcCall
+from pipeline import webrtc_peer
+from pipeline.adapters.webrtc import WebRTCSession
+from pipeline.connection import SessionRegistry, serve_connection
+from pipeline.audio_constants import REPLY_RATE
+from pipeline.session_config import SessionConfig
+from tests.test_conversation import Engines
+
+
+class DirectCall(RtcCall):
+    """The aiortc client, its offer answered by an in-process Peer served by ``engines``."""
+
+    def __init__(self, engines, **kwargs):
+        super().__init__(**kwargs)
+        self.engines = engines
+        self.cfg = SessionConfig(turn_detection="manual", pace_lead_s=0.6, vad_events=False, barge_in="off")
+
+    async def post_offer(self, sdp: str):
+        self.peer = webrtc_peer.Peer()
+        answer = await self.peer.answer(sdp)
+        self.served = asyncio.ensure_future(serve_connection(self.peer, self.engines, self.cfg, SessionRegistry(2),
+                                                             WebRTCSession, peer=self.peer, session=self.session))
+
+        class Answer:
+            text, headers = answer, {"location": f"/v1/realtime/calls/{self.peer.id}"}
+
+            def raise_for_status(self):
+                pass
+
+        return Answer()
+
+
+class Loud(Engines):
+    """The scripted engines, with a 440 Hz tone for each word's 80 ms (Opus keeps a tone)."""
+
+    async def tts_stream(self, text, context, voice=None):
+        tone = (8000 * np.sin(np.arange(1920) * 2 * np.pi * 440 / REPLY_RATE)).astype(np.int16)
+        for _ in text.split():
+            yield tone, np.zeros((1, 32), np.int64)
+
+
+def test_a_cut_reply_keeps_what_the_track_played_not_all_it_said():
+    """A reply of three clauses (ten words, 800 ms of audio, each) is sent 0.6 s ahead of real time
+    (pace_lead_s) into the reply track, which plays it at real time. The client cancels it once the
+    caller has heard 0.4 s of it: the first clause only had begun playing, while the second had
+    been sent too. The cut response's transcript and the history keep the first clause."""
+    clauses = ["One two three four five six seven eight nine ten.",
+               "Eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty.",
+               "Red orange yellow green blue indigo violet black white grey."]
+    engines = Loud([" ".join(clauses)])
+
+    async def go():
+        async with DirectCall(engines) as call:
+            await call.wait(lambda c: c.of("session.created"))
+            call.send({"type": "response.create"})
+            await call.wait(lambda c: len(c.loud_after(0)) >= 20)  # 0.4 s heard
+            call.send({"type": "response.cancel"})  # what a client does when its user interrupts
+            await call.wait(lambda c: c.of("response.done"))
+            call.send({"type": "conversation.item.retrieve", "item_id": call.of("response.done")[0]["response"][
+                "output"][0]["id"]})
+            await call.wait(lambda c: c.of("conversation.item.retrieved"))
+            cleared_at = call.event_times[[e["type"] for e in call.events].index("output_audio_buffer.cleared")]
+            await call.wait(lambda c: c.heard[-1][0] > cleared_at + 0.8)  # the track runs on, silent
+            return call, cleared_at
+
+    call, cleared_at = asyncio.run(go())
+    cut = call.of("response.done")[0]["response"]
+    assert cut["status"] == "cancelled" and cut["output"][0]["content"][0]["transcript"] == clauses[0]
+    kept = call.of("conversation.item.retrieved")[0]["item"]
+    assert kept["content"][0]["transcript"] == clauses[0]
+    # the 0.6 s sent ahead was dropped from the track at the cut: nothing loud came 200 ms later
+    assert call.loud_after(cleared_at + 0.2) == [] and call.loud_after(0)
+
+
+def test_a_peer_whose_ice_never_connects_is_closed_in_bounded_time(monkeypatch):
+    monkeypatch.setattr(webrtc_peer, "ICE_CONNECT_WITHIN_S", 0.5)
+
+    async def go():
+        client = RTCPeerConnection()
+        client.addTransceiver("audio")
+        client.createDataChannel("oai-events")
+        await client.setLocalDescription(await client.createOffer())
+        peer = webrtc_peer.Peer()
+        await peer.answer(client.localDescription.sdp)
+        await client.close()  # the answer is never applied: ICE cannot connect
+        end = await asyncio.wait_for(peer.receive(), 10)
+        return end, peer
+
+    end, peer = asyncio.run(go())
+    assert end is None and peer.pc.connectionState == "closed"
+
+
+@pytest.mark.parametrize("sdp, code", [("", "invalid_sdp"), ("hello", "invalid_sdp")])
+def test_an_offer_that_is_not_sdp_is_refused(sdp, code):
+    with pytest.raises(webrtc_peer.OfferRefused) as refused:
+        webrtc_peer.check_offer(sdp)
+    assert refused.value.code == code
+
+
+def test_speech_over_a_reply_sent_whole_but_still_playing_clears_the_track_and_truncates_it():
+    """The server holds the playback buffer on WebRTC: a reply of 2.4 s is sent whole at once
+    (pace_lead_s 5 s) and completes, then plays at real time; the caller speaks over it (espeak,
+    the real VAD). The rest is dropped from the track, and the item keeps what was heard."""
+    from load import speech
+
+    clauses = ["One two three four five six seven eight nine ten.",
+               "Eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty.",
+               "Red orange yellow green blue indigo violet black white grey."]
+    engines = Loud([" ".join(clauses)], ["Fine."])
+    words = speech.padded(speech.espeak("Wait a moment please."), 0.0, 0.5)
+
+    async def go():
+        call = DirectCall(engines, session={"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "create_response": False, "interrupt_response": True}}}})
+        call.cfg = SessionConfig(pace_lead_s=5.0)
+        async with call:
+            await call.wait(lambda c: c.of("session.created"))
+            call.send({"type": "response.create"})
+            await call.wait(lambda c: c.of("response.done") and len(c.loud_after(0)) >= 10)
+            assert call.of("response.done")[0]["response"]["status"] == "completed"
+            await call.say(words)
+            await call.wait(lambda c: c.of("conversation.item.truncated"))
+            truncated_at = call.event_times[[e["type"] for e in call.events].index("conversation.item.truncated")]
+            await call.wait(lambda c: c.heard[-1][0] > truncated_at + 0.8)
+            return call, truncated_at
+
+    call, truncated_at = asyncio.run(go())
+    truncated = call.of("conversation.item.truncated")[0]
+    assert 0 < truncated["audio_end_ms"] < 2400 and call.of("output_audio_buffer.cleared")
+    assert call.loud_after(truncated_at + 0.2) == []  # the rest of the reply never played
