@@ -40,7 +40,7 @@ def converse(url: str, spoken: int, typed: int, jitter_ms: float, token: str | N
     with tempfile.TemporaryDirectory() as tmp:
         wav = browser.write_mic_wav(Path(tmp) / "mic.wav", mic_audio(spoken)) if spoken else None
         mode = "vad" if spoken else "manual"
-        with browser.Page(f"{url}?jitter_ms={jitter_ms:g}&mode={mode}", wav) as page:
+        with browser.Page(f"{url}?jitter_ms={jitter_ms:g}&mode={mode}&transport=websocket", wav) as page:
             page.connect(token=token)
             state = page.state()
             if not state["status"].startswith("connected"):

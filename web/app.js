@@ -2,11 +2,16 @@
 // window.gapless holds what the page measured (the browser test and load/browser_talk.py read it).
 import { Microphone, Player } from "./audio.js";
 import { Conversation, TurnStats, conversationUrl, fetchTicket, sampleRates } from "./client.js";
+import { RealtimeCall, TrackMeter, fetchCallKey } from "./webrtc.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(window.location.search);
 if (params.has("jitter_ms")) $("jitter").value = params.get("jitter_ms");
 if (params.has("mode")) $("mode").value = params.get("mode");
+// WebRTC where the browser offers it in a secure context (https, or localhost): the browser's own
+// echo canceller and jitter buffer. ?transport=websocket keeps protocol v1 over a WebSocket.
+const rtcPossible = window.isSecureContext && "RTCPeerConnection" in window;
+$("transport").value = params.get("transport") || (rtcPossible ? "webrtc" : "websocket");
 $("token").value = sessionStorage.getItem("gapless-token") || "";
 $("token-row").hidden = !$("token").value;
 
@@ -26,10 +31,16 @@ const state = {
   messages: 0,
   drops: [], // {code}: each time the connection was lost (it then resumes by itself)
   resumed: 0, // sessions resumed after a drop (docs/protocol.md "Resume")
+  transport: null, // "webrtc" or "websocket", once connected
+  // WebRTC: the reply track as received (RMS of 20 ms windows), and each response's status
+  rtc: { windows: 0, loudWindows: 0, peak: 0, responses: [], events: [] },
 };
 window.gapless = state;
 
 let conv = null, mic = null, player = null;
+let call = null, meter = null; // WebRTC
+let rtcTurn = 0; // WebRTC: the turns this page numbered (a transcript or a typed message each)
+const turnOfResponse = {}; // WebRTC: response id -> the turn it answers
 let pendingEnd = null; // when the page ended the user's turn (text sent, turn.end sent)
 let lastSpeechStopped = null; // hands-free: when the server said the speech stopped
 let flushedTurn = -1; // audio of this turn (interrupted) is not played
@@ -172,6 +183,8 @@ async function connect() {
   $("error").hidden = true;
   const mode = $("mode").value;
   const token = $("token").value.trim();
+  if ($("transport").value === "webrtc") return connectCall(mode, token);
+  state.transport = "websocket";
   try {
     setStatus("asking for a ticket…");
     const ticket = await ticketFor(token);
@@ -212,6 +225,106 @@ async function connect() {
   }
 }
 
+// ------------------------------------------------------------------ WebRTC (web/webrtc.js)
+const LOUD_RMS = 0.01;
+
+function onWindow(rms) {
+  const r = state.rtc;
+  r.windows++;
+  r.peak = Math.max(r.peak, rms);
+  if (rms <= LOUD_RMS) return;
+  r.loudWindows++;
+  const s = state.turns[rtcTurn];
+  if (s && s.firstChunkMs !== null && s.firstPlayedMs === null) { s.firstPlayedMs = performance.now() - s.endedAt; renderTurn(s); }
+}
+
+function rtcUserTurn(text, endedAt) {
+  rtcTurn++;
+  line(rtcTurn, "user").textContent = text;
+  state.turns[rtcTurn] = Object.assign(new TurnStats(rtcTurn, endedAt), { finalText: text, finalAt: performance.now() });
+  renderTurn(state.turns[rtcTurn]);
+}
+
+function onRealtimeEvent(ev) {
+  state.messages++;
+  state.rtc.events.push(ev.type);
+  const now = performance.now();
+  const turnOf = (id) => turnOfResponse[id] ?? rtcTurn;
+  switch (ev.type) {
+    case "input_audio_buffer.speech_started":
+      setStatus("hearing you…", "connected");
+      break;
+    case "input_audio_buffer.speech_stopped":
+      lastSpeechStopped = now;
+      setStatus("connected (WebRTC)", "connected");
+      break;
+    case "conversation.item.input_audio_transcription.completed":
+      rtcUserTurn(ev.transcript, pendingEnd ?? lastSpeechStopped ?? now);
+      pendingEnd = lastSpeechStopped = null;
+      break;
+    case "response.created":
+      turnOfResponse[ev.response.id] = rtcTurn;
+      break;
+    case "response.output_audio_transcript.delta":
+    case "response.output_text.delta":
+      line(turnOf(ev.response_id), "bot").textContent += ev.delta;
+      break;
+    case "output_audio_buffer.started": {
+      const s = state.turns[turnOf(ev.response_id)];
+      if (s) { s.onChunk(now); renderTurn(s); }
+      break;
+    }
+    case "response.done": {
+      const t = turnOf(ev.response.id);
+      const cut = ev.response.status === "cancelled";
+      state.rtc.responses.push(ev.response.status);
+      if (cut) line(t, "bot").classList.add("interrupted");
+      const s = state.turns[t];
+      if (s) { s.interrupted = cut; s.doneAt = now; renderTurn(s); }
+      break;
+    }
+    case "error":
+      showError(ev.error.code, ev.error.message);
+      break;
+  }
+}
+
+async function connectCall(mode, token) {
+  state.transport = "webrtc";
+  try {
+    setStatus("asking for a call key…");
+    let key;
+    try {
+      key = await fetchCallKey(token);
+    } catch (err) {
+      if (err.status === 401) $("token-row").hidden = false;
+      throw err;
+    }
+    if (token) sessionStorage.setItem("gapless-token", token);
+    setStatus("calling…");
+    call = new RealtimeCall({
+      onEvent: onRealtimeEvent,
+      onTrack: (stream) => {
+        $("speaker").srcObject = stream;
+        meter = new TrackMeter(stream, onWindow);
+      },
+      onClose: (why) => { if (call) { setStatus(`disconnected (${why})`); teardown(); } },
+    });
+    const detection = mode === "vad" ? { type: "semantic_vad" } : null;
+    await call.open(key, { audio: { input: { turn_detection: detection } } });
+    setStatus("connected (WebRTC)", "connected");
+    $("connect").textContent = "Disconnect";
+    $("connect").disabled = false;
+    $("talk").disabled = mode !== "manual";
+    $("text").disabled = $("send").disabled = false;
+  } catch (err) {
+    setStatus(`not connected: ${err.message}`, "failed");
+    showError(err.code || err.name, err.message);
+    await teardown();
+    $("connect").disabled = false;
+  }
+}
+
 function onDropped(code) {
   state.drops.push({ code });
   setStatus(`connection lost (close ${code}): resuming…`, "failed");
@@ -228,8 +341,10 @@ function onClose(code, reason) {
 }
 
 async function teardown() {
-  const [c, m, p] = [conv, mic, player];
-  conv = mic = player = null;
+  const [c, m, p, rc, mt] = [conv, mic, player, call, meter];
+  conv = mic = player = call = meter = null;
+  if (rc) rc.close();
+  if (mt) mt.stop();
   if (c) c.close();
   if (m) await m.stop();
   if (p) await p.stop();
@@ -238,11 +353,12 @@ async function teardown() {
   $("talk").setAttribute("aria-pressed", "false");
 }
 
-$("connect").addEventListener("click", () => (conv ? teardown().then(() => setStatus("not connected")) : connect()));
+$("connect").addEventListener("click", () => (conv || call ? teardown().then(() => setStatus("not connected")) : connect()));
 
 // Push-to-talk: the first press starts the turn, the second ends it: what the microphone
 // captured up to then goes out, its last partial frame included, and then turn.end.
 $("talk").addEventListener("click", async () => {
+  if (call) return talkOverCall();
   if (!conv || !mic) return;
   const talking = $("talk").getAttribute("aria-pressed") === "true";
   if (!talking) {
@@ -262,9 +378,32 @@ $("talk").addEventListener("click", async () => {
   }
 });
 
+// WebRTC push-to-talk: the microphone always streams; the first press drops what it sent so far,
+// the second commits the turn and asks for the reply.
+function talkOverCall() {
+  const talking = $("talk").getAttribute("aria-pressed") === "true";
+  if (!talking) {
+    call.send({ type: "input_audio_buffer.clear" });
+  } else {
+    call.send({ type: "input_audio_buffer.commit" });
+    call.send({ type: "response.create" });
+    pendingEnd = performance.now();
+  }
+  $("talk").setAttribute("aria-pressed", String(!talking));
+  $("talk").textContent = talking ? "Talk" : "Done";
+}
+
 $("typed").addEventListener("submit", (e) => {
   e.preventDefault();
   const text = $("text").value.trim();
+  if (text && call) {
+    call.send({ type: "conversation.item.create", item: { type: "message", role: "user",
+                                                          content: [{ type: "input_text", text }] } });
+    call.send({ type: "response.create" });
+    rtcUserTurn(text, performance.now());
+    $("text").value = "";
+    return;
+  }
   if (!text || !conv) return;
   conv.text(text);
   pendingEnd = performance.now();

@@ -24,7 +24,7 @@ from pipeline import protocol as P
 from tests.e2e.serve_process import PORT, ROOT
 
 BASE = f"http://127.0.0.1:{PORT}"
-PAGE = f"{BASE}/?jitter_ms=120"
+PAGE = f"{BASE}/?jitter_ms=120&transport=websocket"
 SCREENSHOT = ROOT / "out" / "web-client.png"
 SECOND = 24_000  # reply samples in one second
 FRAME = 640  # samples in one 40 ms microphone frame at 16 kHz
@@ -142,7 +142,7 @@ def test_push_to_talk_sends_the_last_partial_frame(server, tmp_path: Path):
     """Every sample captured between the presses goes out before turn.end: whole 40 ms frames,
     then the rest of the last one (before: the rest was dropped)."""
     mic = speech.padded(speech.espeak("Hello, can you hear me?"), 0.5, 3.0)
-    with browser.Page(f"{BASE}/?mode=manual", browser.write_mic_wav(tmp_path / "mic.wav", mic)) as page:
+    with browser.Page(f"{BASE}/?mode=manual&transport=websocket", browser.write_mic_wav(tmp_path / "mic.wav", mic)) as page:
         page.page.evaluate(RECORD_SENT)
         page.connect()
         assert page.state()["status"].startswith("connected"), page.state()
@@ -171,7 +171,7 @@ def test_the_audio_runs_at_the_rates_session_ready_announces(server):
         upstream.on_message(to_page)
         ws.on_message(upstream.send)
 
-    with browser.Page(f"{BASE}/?mode=manual") as page:
+    with browser.Page(f"{BASE}/?mode=manual&transport=websocket") as page:
         page.page.route_web_socket("**/v1/conversation*", rewrite_ready)
         page.page.evaluate(RECORD_SENT)
         page.connect()
@@ -191,7 +191,7 @@ def test_a_browser_that_refuses_the_rate_is_told_so(server, refused: str, rate: 
     does not resample it: it says so once, with the rate and the browser's error, stays "not
     connected", and the session (hands-free, which would send from the start) gets no audio.
     The player starts first, so a refusing constructor is met at the 24 kHz output rate."""
-    with browser.Page(BASE) as page:
+    with browser.Page(f"{BASE}/?transport=websocket") as page:
         page.page.evaluate(REFUSES_THE_RATE[refused])
         page.page.evaluate(RECORD_SENT)
         page.connect()
@@ -256,3 +256,26 @@ def test_a_refused_token_is_told_apart_from_a_missing_one(server):
     assert wrong["status"].startswith("not connected") and "token was refused" in wrong["status"], wrong["status"]
     assert "needs a token" not in wrong["status"] and "token was refused" in wrong_shown
     assert [e["code"] for e in wrong["errors"]] == ["unauthorized", "unauthorized"]
+
+
+def test_the_page_talks_over_webrtc_in_chromium(server, tmp_path: Path):
+    """The page's default on localhost: WebRTC. A spoken turn from the fake microphone (through
+    the browser's own echo canceller) gets its transcript and a reply the page receives as audio
+    on the reply track (measured by the page's WebAudio meter, not only its text); then a typed
+    turn over the data channel."""
+    mic = speech.padded(speech.espeak("I would like to book a flight to Paris on Friday."), 1.0, 6.0)
+    with browser.Page(f"{BASE}/", browser.write_mic_wav(tmp_path / "mic.wav", mic)) as page:
+        page.connect()
+        s = page.state()
+        assert s["status"] == "connected (WebRTC)" and s["transport"] == "webrtc", (s["status"], page.console)
+        spoken = page.wait_turn_done(1, timeout_s=60)
+        assert spoken["finalText"].strip() and spoken["interrupted"] is False
+        assert page.page.inner_text("#bot-1").strip()
+        page.wait("g.rtc.loudWindows >= 25", 30)  # half a second of reply audio received
+        s = page.state()
+        assert s["rtc"]["peak"] > 0.05 and spoken["firstChunkMs"] is not None
+        assert "response.output_audio.delta" not in s["rtc"]["events"]  # the audio came over the track
+        page.type_turn("Can you hear me?")
+        typed = page.wait_turn_done(2)
+        assert typed["finalText"] == "Can you hear me?" and page.page.inner_text("#bot-2").strip()
+        assert not [c for c in page.console if c.startswith("pageerror")], page.console

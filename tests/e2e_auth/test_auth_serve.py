@@ -184,7 +184,7 @@ def test_handshakes_per_minute_are_capped(auth_server):
 
 
 def test_the_page_asks_for_a_token_then_talks(auth_server):
-    with browser.Page(f"{BASE}/?mode=manual", ignore_https_errors=True) as page:  # push-to-talk: the fake microphone stays unsent
+    with browser.Page(f"{BASE}/?mode=manual&transport=websocket", ignore_https_errors=True) as page:  # push-to-talk: the fake microphone stays unsent
         page.connect()
         assert page.state()["status"].startswith("not connected")
         assert page.page.is_visible("#token")

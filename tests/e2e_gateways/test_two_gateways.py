@@ -157,7 +157,7 @@ def test_a_redeploy_of_the_gateways_keeps_every_conversation(two_gateways):
     them (in Chromium), resumes by itself too and answers its next turn. Runs last: the app stays
     redeployed."""
     changed = _config(num_cpus_share=2.5)  # another CPU share: Serve replaces the replicas
-    with browser.Page(f"http://127.0.0.1:{PORT}/?mode=manual") as page:  # push-to-talk: the microphone stays unsent
+    with browser.Page(f"http://127.0.0.1:{PORT}/?mode=manual&transport=websocket") as page:  # push-to-talk: the microphone stays unsent
         page.connect()  # asks for the token
         page.connect(token=two_gateways.token)
         assert page.state()["status"].startswith("connected"), page.state()["errors"]
