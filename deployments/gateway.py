@@ -219,6 +219,16 @@ async def _json_body(request: Request) -> dict:
     return body if isinstance(body, dict) else {}
 
 
+async def _text(part) -> str | None:
+    """A form part as text: a field, or a part sent as a file (OpenAI's SDK sends ``sdp`` as one)."""
+    if part is None or isinstance(part, str):
+        return part
+    data = await part.read(MAX_OFFER_BYTES + 1)
+    if len(data) > MAX_OFFER_BYTES:
+        raise OfferRefused("invalid_sdp", f"a part of the offer must be at most {MAX_OFFER_BYTES} bytes", 413)
+    return data.decode("utf-8", "replace")
+
+
 async def _offer(request: Request) -> tuple[str, dict | None]:
     """The call's SDP offer and session object: an application/sdp body, or multipart with
     ``sdp`` and ``session`` (JSON). Raises OfferRefused."""
@@ -226,8 +236,8 @@ async def _offer(request: Request) -> tuple[str, dict | None]:
     if int(request.headers.get("content-length") or 0) > 4 * MAX_OFFER_BYTES:
         raise OfferRefused("invalid_sdp", f"the offer must be at most {MAX_OFFER_BYTES} bytes", 413)
     if kind.startswith("multipart/form-data"):
-        form = await request.form(max_files=0, max_fields=8, max_part_size=MAX_OFFER_BYTES)
-        sdp, session = form.get("sdp"), form.get("session")
+        form = await request.form(max_files=2, max_fields=8, max_part_size=MAX_OFFER_BYTES)
+        sdp, session = await _text(form.get("sdp")), await _text(form.get("session"))
         try:
             session = json.loads(session) if session else None
         except ValueError:

@@ -111,3 +111,33 @@ def test_bad_offers_get_their_http_error_and_a_conversation_beside_them_goes_on(
     assert {code: (a.status_code, a.json()["error"]["code"]) for code, a in answers.items()} == {
         code: (400, code) for code in answers}
     assert first.audio_s > 0 and second.audio_s > 0 and second.interrupted is False
+
+
+class SdkCall(RtcCall):
+    """The aiortc peer, its offer POSTed by OpenAI's own Python SDK (``client.realtime.calls``)
+    with only the base URL changed: what a client written for OpenAI's WebRTC interface sends."""
+
+    async def post_offer(self, sdp: str):
+        from openai import AsyncOpenAI
+
+        self.sdk = AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="any-key-with-auth-off")
+        answer = await self.sdk.realtime.calls.with_raw_response.create(sdp=sdp, session=self.session)
+        return answer.http_response
+
+
+def test_openais_sdk_places_the_call_and_hangs_it_up(server):
+    async def go():
+        async with SdkCall(BASE, session={"type": "realtime", "instructions": "Be brief.",
+                                          "max_output_tokens": 8}) as call:
+            await call.wait(lambda c: c.of("session.created"))
+            call.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Hello?"}]}})
+            call.send({"type": "response.create"})
+            await call.wait(lambda c: c.of("response.done") and len(c.loud_after(0)) >= 10)
+            await call.sdk.realtime.calls.hangup(call.location.rsplit("/", 1)[1])
+            await asyncio.wait_for(call.closed.wait(), 30)
+            return call
+
+    call = run(go())
+    assert call.events[0]["session"]["instructions"] == "Be brief."
+    assert call.of("response.done")[0]["response"]["status"] in ("completed", "incomplete")
