@@ -37,6 +37,8 @@ class Microphone(MediaStreamTrack):
         self._start: float | None = None
         self._timestamp = 0
         self.spoken_until: float | None = None  # when the last queued sample went out
+        self.speech_frames_left = 0  # frames of speech (not its padding) still to go out
+        self.speech_ended_at: float | None = None  # when the last of them went out
 
     async def recv(self):
         if self.readyState != "live":
@@ -47,6 +49,10 @@ class Microphone(MediaStreamTrack):
             self._timestamp += FRAME
             await asyncio.sleep(max(0.0, self._start + self._timestamp / MIC_RATE - time.time()))
         pcm = self.queue.popleft() if self.queue else np.zeros(FRAME, np.int16)
+        if self.speech_frames_left:
+            self.speech_frames_left -= 1
+            if not self.speech_frames_left:
+                self.speech_ended_at = time.monotonic()
         if not self.queue and self.spoken_until is None:
             self.spoken_until = time.monotonic()
         frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
@@ -102,10 +108,13 @@ class RtcCall:
                 **headers, "Content-Type": "application/sdp"}, content=sdp)
 
     # ------------------------------------------------------------------ what the caller does
-    async def say(self, pcm16k: np.ndarray) -> None:
-        """Queue speech for the microphone (it goes out at real time); returns at once."""
+    async def say(self, pcm16k: np.ndarray, speech_end: int | None = None) -> None:
+        """Queue speech for the microphone (it goes out at real time); returns at once.
+        ``speech_end``: the sample where the speech ends (the rest is silence after it): the
+        microphone notes when that frame went out (``mic.speech_ended_at``)."""
         pcm = np.concatenate([pcm16k.astype(np.int16), np.zeros(-len(pcm16k) % FRAME, np.int16)])
-        self.mic.spoken_until = None
+        self.mic.spoken_until = self.mic.speech_ended_at = None
+        self.mic.speech_frames_left = len(self.mic.queue) + -(-(speech_end or len(pcm16k)) // FRAME)
         self.mic.queue.extend(pcm.reshape(-1, FRAME))
 
     def send(self, event: dict) -> None:
