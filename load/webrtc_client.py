@@ -10,7 +10,6 @@ own clock), hears the reply track (each frame's arrival and loudness) and reads 
 from __future__ import annotations
 
 import asyncio
-import fractions
 import json
 import time
 from collections import deque
@@ -18,36 +17,26 @@ from collections import deque
 import httpx
 import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
-from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from av import AudioFrame
+from aiortc.mediastreams import MediaStreamError
+
+from pipeline.webrtc_peer import ClockedAudioTrack
 
 MIC_RATE = 16_000
 FRAME = MIC_RATE // 50  # 20 ms
 LOUD = 200.0  # RMS (int16) above which a received frame counts as sound
 
 
-class Microphone(MediaStreamTrack):
+class Microphone(ClockedAudioTrack):
     """20 ms frames on the track's clock: what ``say`` queued, else silence."""
 
-    kind = "audio"
-
     def __init__(self):
-        super().__init__()
+        super().__init__(MIC_RATE, FRAME)
         self.queue: deque[np.ndarray] = deque()
-        self._start: float | None = None
-        self._timestamp = 0
         self.spoken_until: float | None = None  # when the last queued sample went out
         self.speech_frames_left = 0  # frames of speech (not its padding) still to go out
         self.speech_ended_at: float | None = None  # when the last of them went out
 
-    async def recv(self):
-        if self.readyState != "live":
-            raise MediaStreamError
-        if self._start is None:
-            self._start = time.time()
-        else:
-            self._timestamp += FRAME
-            await asyncio.sleep(max(0.0, self._start + self._timestamp / MIC_RATE - time.time()))
+    def next_frame(self) -> np.ndarray:
         pcm = self.queue.popleft() if self.queue else np.zeros(FRAME, np.int16)
         if self.speech_frames_left:
             self.speech_frames_left -= 1
@@ -55,9 +44,7 @@ class Microphone(MediaStreamTrack):
                 self.speech_ended_at = time.monotonic()
         if not self.queue and self.spoken_until is None:
             self.spoken_until = time.monotonic()
-        frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate, frame.pts, frame.time_base = MIC_RATE, self._timestamp, fractions.Fraction(1, MIC_RATE)
-        return frame
+        return pcm
 
 
 class RtcCall:

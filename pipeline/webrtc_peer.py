@@ -80,18 +80,47 @@ def check_offer(sdp: str) -> None:
         raise OfferRefused("unsupported_codec", "the offer's audio has no Opus; this server speaks Opus only")
 
 
-class ReplyTrack(MediaStreamTrack):
-    """The reply's outgoing audio track. ``sent``: the reply item on the wire and how many of its
-    samples have gone to the encoder."""
+class ClockedAudioTrack(MediaStreamTrack):
+    """An audio track that hands aiortc's sender one frame (``frame`` samples of int16 at
+    ``rate``) per frame's duration on its own clock, as aiortc's ``AudioStreamTrack`` does; what
+    the frame holds is ``next_frame()``'s."""
 
     kind = "audio"
 
-    def __init__(self):
+    def __init__(self, rate: int, frame: int):
         super().__init__()
-        self._queue: deque[tuple[str, np.ndarray]] = deque()
-        self._queued = 0  # samples in the queue
+        self.rate, self.frame = rate, frame
         self._start: float | None = None
         self._timestamp = 0
+
+    def next_frame(self) -> np.ndarray:
+        raise NotImplementedError
+
+    async def recv(self):
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start is None:
+            self._start = time.time()
+        else:
+            self._timestamp += self.frame
+            wait = self._start + self._timestamp / self.rate - time.time()
+            if wait > 0:
+                await asyncio.sleep(wait)  # the track's clock: one frame per frame's duration
+        frame = AudioFrame.from_ndarray(self.next_frame().reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts = self.rate, self._timestamp
+        frame.time_base = fractions.Fraction(1, self.rate)
+        return frame
+
+
+class ReplyTrack(ClockedAudioTrack):
+    """The reply's outgoing audio: 20 ms frames of reply audio where there is some, silence
+    otherwise. ``sent``: the reply item on the wire and how many of its samples have gone to the
+    encoder."""
+
+    def __init__(self):
+        super().__init__(REPLY_RATE, REPLY_FRAME)
+        self._queue: deque[tuple[str, np.ndarray]] = deque()
+        self._queued = 0  # samples in the queue
         self.sent: tuple[str | None, int] = (None, 0)
         self.dropped = 0  # samples refused for lack of room
 
@@ -110,7 +139,7 @@ class ReplyTrack(MediaStreamTrack):
     def idle(self) -> bool:
         return not self._queue
 
-    def _take(self) -> np.ndarray:
+    def next_frame(self) -> np.ndarray:
         out = np.zeros(REPLY_FRAME, np.int16)
         filled = 0
         while filled < REPLY_FRAME and self._queue:
@@ -126,22 +155,6 @@ class ReplyTrack(MediaStreamTrack):
             before = self.sent[1] if self.sent[0] == item_id else 0
             self.sent = (item_id, before + n)
         return out
-
-    async def recv(self):
-        if self.readyState != "live":
-            raise MediaStreamError
-        if self._start is None:
-            self._start = time.time()
-        else:
-            self._timestamp += REPLY_FRAME
-            wait = self._start + self._timestamp / REPLY_RATE - time.time()
-            if wait > 0:
-                await asyncio.sleep(wait)  # the track's clock: one frame every 20 ms
-        frame = AudioFrame.from_ndarray(self._take().reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = REPLY_RATE
-        frame.pts = self._timestamp
-        frame.time_base = fractions.Fraction(1, REPLY_RATE)
-        return frame
 
 
 class Peer:

@@ -11,6 +11,9 @@ backticks that is:
   ``session.X`` may also be a key of the Realtime session object or a session event (``ready``,
   ``update``, ``updated``, ``created``).
 
+- a settings table's default (a row "| `name` | 300 | ..." of docs/protocol.md or docs/llm.md) is
+  the config class's default: numbers that docs and code both state have one source, the code.
+
 The exceptions, each with its reason, are below. Anything under ``out/`` is what a command writes
 when it runs, so it is not checked."""
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pipeline.auth import AuthConfig
 from pipeline.llm.config import LLMConfig
 from pipeline.phone_config import CarrierAccount, PhoneConfig
 from pipeline.realtime.settings import SESSION_KEYS
-from pipeline.session_config import LIMIT_NAMES, SETTING_NAMES, SessionConfig
+from pipeline.session_config import LIMIT_NAMES, SETTING_NAMES, ReplicaLimits, SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
 
@@ -129,3 +132,39 @@ def test_the_check_catches_a_missing_name(tmp_path):
     assert _is_path("pipeline/nothing_here.py") and not _exists("pipeline/nothing_here.py", doc, set())
     assert not _resolves("load.no_such_tool") and _resolves("load.gaps.SPOKEN")
     assert "no_such_setting" not in {f.name for f in dataclasses.fields(SessionConfig)}
+
+
+# Numbers that docs and code both state have one source, the code: a settings table's defaults
+# (a row "| `name` | default | ..." in these docs) must be the config class's defaults. Other docs
+# say a setting's default by pointing at these tables, not by stating it again.
+DEFAULT_TABLES = {"protocol.md": (SessionConfig, ReplicaLimits), "llm.md": (LLMConfig,)}  # doc -> its configs
+
+
+def _default_rows(text: str) -> list[tuple[str, str]]:
+    """(setting, stated default) of each table row whose first cell names settings in backticks
+    and whose second cell starts with numbers: several settings and values split on commas."""
+    rows = []
+    for names, value in re.findall(r"^\| ((?:`\w+`(?:, )?)+) \| ([-\d.]+(?:, [-\d.]+)*)\b", text, flags=re.M):
+        names, values = re.findall(r"`(\w+)`", names), value.split(", ")
+        if len(names) == len(values):
+            rows += list(zip(names, values))
+    return rows
+
+
+@pytest.mark.parametrize("doc", sorted(DEFAULT_TABLES))
+def test_a_settings_tables_defaults_are_the_codes(doc):
+    sources = [config() for config in DEFAULT_TABLES[doc]]
+    rows = _default_rows((ROOT / "docs" / doc).read_text())
+    assert len(rows) >= 8, rows
+    wrong = {}
+    for name, stated in rows:
+        source = next((s for s in sources if hasattr(s, name)), None)
+        if source is not None and float(getattr(source, name)) != float(stated):
+            wrong[name] = (stated, getattr(source, name))
+    assert not wrong, f"docs/{doc} states defaults the code does not have (stated, code): {wrong}"
+
+
+def test_the_defaults_check_catches_a_changed_number():
+    text = "| `idle_timeout_s` | 301 | no frame |\n| `temperature`, `top_k` | 0.7, 50 | all |\n"
+    assert _default_rows(text) == [("idle_timeout_s", "301"), ("temperature", "0.7"), ("top_k", "50")]
+    assert float(SessionConfig().idle_timeout_s) != 301.0

@@ -210,19 +210,27 @@ async function connect() {
     player = new Player($("speaker"), Number($("jitter").value), onPlayback);
     state.player = await player.start(state.rates.output);
     state.microphone = await mic.start(state.rates.input, mode === "vad");
-    setStatus(`connected (session ${String(ready.session_id).slice(0, 8)})`, "connected");
-    $("connect").textContent = "Disconnect";
-    $("connect").disabled = false;
-    $("talk").disabled = mode !== "manual";
-    $("text").disabled = $("send").disabled = false;
+    connected(`connected (session ${String(ready.session_id).slice(0, 8)})`, mode);
   } catch (err) {
     // Told once: the server's error before session.ready, a refused ticket or connection, or
     // the microphone or audio failing, each reaches here and nowhere else.
-    setStatus(`not connected: ${err.message}`, "failed");
-    showError(err.code || err.name, err.message);
-    await teardown();
-    $("connect").disabled = false;
+    await notConnected(err);
   }
+}
+
+function connected(status, mode) {
+  setStatus(status, "connected");
+  $("connect").textContent = "Disconnect";
+  $("connect").disabled = false;
+  $("talk").disabled = mode !== "manual";
+  $("text").disabled = $("send").disabled = false;
+}
+
+async function notConnected(err) {
+  setStatus(`not connected: ${err.message}`, "failed");
+  showError(err.code || err.name, err.message);
+  await teardown();
+  $("connect").disabled = false;
 }
 
 // ------------------------------------------------------------------ WebRTC (web/webrtc.js)
@@ -312,16 +320,9 @@ async function connectCall(mode, token) {
     });
     const detection = mode === "vad" ? { type: "semantic_vad" } : null;
     await call.open(key, { audio: { input: { turn_detection: detection } } });
-    setStatus("connected (WebRTC)", "connected");
-    $("connect").textContent = "Disconnect";
-    $("connect").disabled = false;
-    $("talk").disabled = mode !== "manual";
-    $("text").disabled = $("send").disabled = false;
+    connected("connected (WebRTC)", mode);
   } catch (err) {
-    setStatus(`not connected: ${err.message}`, "failed");
-    showError(err.code || err.name, err.message);
-    await teardown();
-    $("connect").disabled = false;
+    await notConnected(err);
   }
 }
 

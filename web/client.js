@@ -8,11 +8,18 @@ const { encode, decode } = window.MessagePack;
 // throws an Error with the server's `code` and `message` and the HTTP `status` (a 401
 // `unauthorized` answers both a missing and a wrong token: the caller knows which it sent).
 export async function fetchTicket(token) {
+  return postForJson("/v1/session", token, undefined, "ticket request");
+}
+
+// POST with the token as Bearer (if any); the answer's JSON, or an Error with the server's
+// `code`, `message` and the HTTP `status`.
+export async function postForJson(path, token, json, what) {
   const headers = token ? { Authorization: `Bearer ${token}` } : {};
-  const r = await fetch("/v1/session", { method: "POST", headers });
+  if (json !== undefined) headers["Content-Type"] = "application/json";
+  const r = await fetch(path, { method: "POST", headers, body: json === undefined ? undefined : JSON.stringify(json) });
   const body = await r.json().catch(() => ({}));
   if (!r.ok) {
-    const err = new Error(body.message || `ticket request failed: HTTP ${r.status}`);
+    const err = new Error(body.message || `${what} failed: HTTP ${r.status}`);
     err.code = body.code || `http_${r.status}`;
     err.status = r.status;
     throw err;

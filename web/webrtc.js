@@ -1,21 +1,13 @@
 // The OpenAI Realtime protocol over WebRTC (docs/webrtc.md): the microphone goes out as an Opus
 // track with the browser's own echo cancellation and noise suppression, the reply comes back as
 // a track the page plays, and the Realtime events travel on the "oai-events" data channel.
+import { postForJson } from "./client.js";
 
 // An ephemeral key for the call (POST /v1/realtime/client_secrets, as OpenAI's): the page sends
 // it as the Bearer of its offer, so the server's token never sits in a request the page makes
 // for a call. With auth off the server still issues one.
 export async function fetchCallKey(token) {
-  const headers = { "Content-Type": "application/json", ...(token ? { Authorization: `Bearer ${token}` } : {}) };
-  const r = await fetch("/v1/realtime/client_secrets", { method: "POST", headers, body: "{}" });
-  const body = await r.json().catch(() => ({}));
-  if (!r.ok) {
-    const err = new Error(body.message || `key request failed: HTTP ${r.status}`);
-    err.code = body.code || `http_${r.status}`;
-    err.status = r.status;
-    throw err;
-  }
-  return body.value;
+  return (await postForJson("/v1/realtime/client_secrets", token, {}, "key request")).value;
 }
 
 // Waits for the offer's ICE candidates (the server takes no trickled candidates), at most 3 s.
