@@ -34,9 +34,10 @@ def test_a_call_is_answered_marks_come_back_in_order_the_caller_cuts_in_and_keys
             await phone.speak(question)
             await phone.speak(quiet)
             await phone.wait(lambda p: len(p.echoed) >= 3)  # the reply plays; its marks come back as it does
-            await phone.speak(cut_in)
+            cut_in_end = await phone.speak(cut_in)
+            await phone.speak(quiet)  # a phone line carries silence on: the cut-in's turn ends by itself
             await phone.wait(lambda p: p.clears)
-            await phone.wait(lambda p: len(_replies(p)) >= 2)  # the cut-in's own reply has begun
+            await phone.reply_heard(cut_in_end)  # the cut-in's own reply, whole: then nothing plays
             replies = _replies(phone)
             await phone.press("5")  # a turn of its own: a new reply answers it
             await phone.wait(lambda p: _replies(p) - replies)

@@ -99,18 +99,18 @@ def test_bad_offers_get_their_http_error_and_a_conversation_beside_them_goes_on(
         }
         answers = {}
         async with Conversation(URL) as witness:
-            first = await witness.say_text("Hello there.")
+            turn = asyncio.ensure_future(witness.say_text("Hello there."))  # the offers come while it is answered
             async with httpx.AsyncClient(timeout=30) as client:
                 for code, sdp in offers.items():
                     answers[code] = await client.post(f"{BASE}/v1/realtime/calls", content=sdp,
                                                       headers={"Content-Type": "application/sdp"})
-            second = await witness.say_text("Tell me more.")
-        return answers, first, second
+            answered = await turn
+        return answers, answered
 
-    answers, first, second = run(go())
+    answers, answered = run(go())
     assert {code: (a.status_code, a.json()["error"]["code"]) for code, a in answers.items()} == {
         code: (400, code) for code in answers}
-    assert first.audio_s > 0 and second.audio_s > 0 and second.interrupted is False
+    assert answered.audio_s > 0 and answered.interrupted is False and max(answered.gaps, default=0) < 0.5
 
 
 class SdkCall(RtcCall):
