@@ -11,6 +11,11 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from twilio.base.exceptions import TwilioException
+from twilio.http.async_http_client import AsyncTwilioHttpClient
+from twilio.rest import Client
+from twilio.twiml.voice_response import VoiceResponse
+
 CALL_CONTROL_TIMEOUT_S = 5.0  # a carrier's REST call answers within this, or the action failed
 MAX_DIGITS = 20
 
@@ -53,16 +58,11 @@ class TwilioCalls:
     TwiML with ``<Dial>`` (the media stream then ends)."""
 
     def __init__(self, account_sid: str, auth_token: str, api_base_url: str | None = None):
-        from twilio.http.async_http_client import AsyncTwilioHttpClient
-        from twilio.rest import Client
-
         self.client = Client(account_sid, auth_token, http_client=AsyncTwilioHttpClient(timeout=CALL_CONTROL_TIMEOUT_S))
         if api_base_url:
             self.client.api.base_url = api_base_url.rstrip("/")
 
     async def _update(self, call_id: str, **fields) -> None:
-        from twilio.base.exceptions import TwilioException
-
         try:
             async with asyncio.timeout(CALL_CONTROL_TIMEOUT_S):
                 await self.client.calls(call_id).update_async(**fields)
@@ -73,8 +73,6 @@ class TwilioCalls:
         await self._update(call_id, status="completed")
 
     async def transfer(self, call_id: str, to: str) -> None:
-        from twilio.twiml.voice_response import VoiceResponse
-
         twiml = VoiceResponse()
         twiml.dial(to)
         await self._update(call_id, twiml=str(twiml))
@@ -84,18 +82,17 @@ class TelnyxCalls:
     """Telnyx Call Control: the call's ``hangup`` and ``transfer`` actions."""
 
     def __init__(self, api_key: str, api_base_url: str | None = None):
-        import telnyx
+        import telnyx  # a large package: imported only where a Telnyx account is configured
 
+        self.errors = (telnyx.APIError, OSError, TimeoutError)
         self.client = telnyx.AsyncTelnyx(api_key=api_key, base_url=api_base_url, timeout=CALL_CONTROL_TIMEOUT_S,
                                           max_retries=1)
 
     async def _act(self, action, call_id: str, **fields) -> None:
-        import telnyx
-
         try:
             async with asyncio.timeout(CALL_CONTROL_TIMEOUT_S):
                 await action(call_id, **fields)
-        except (telnyx.APIError, OSError, TimeoutError) as exc:
+        except self.errors as exc:
             raise CallControlError(f"Telnyx: {exc}") from None
 
     async def hang_up(self, call_id: str) -> None:

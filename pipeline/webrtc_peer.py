@@ -32,6 +32,7 @@ from aiortc.sdp import SessionDescription
 from av import AudioFrame, AudioResampler
 
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
+from pipeline.connection import ClientGone
 from pipeline.history import new_id
 
 log = logging.getLogger(__name__)
@@ -200,8 +201,6 @@ class Peer:
 
     async def send(self, frame: bytes | str) -> None:
         if self._closed:
-            from pipeline.connection import ClientGone
-
             raise ClientGone()
         if self.channel is None or not self.channel_open.is_set():
             self._early.append(frame)  # the channel opens after the answer: they go out then

@@ -127,7 +127,7 @@ class PhoneSession(WireSession):
             elif event == "stop":
                 raise CloseConnection(None, "the call ended", CLOSE_NORMAL, "call ended")
         except StreamError as exc:
-            self.core.shared.observer.error("bad_stream")
+            self.observer.error("bad_stream")
             log.warning("call stream %s refused: %s", self.id, exc.reason)
             reason = exc.reason.encode()[:120].decode(errors="ignore")  # a close reason is at most 123 bytes
             raise CloseConnection(None, exc.reason, CLOSE_POLICY_VIOLATION, reason) from None
@@ -151,7 +151,7 @@ class PhoneSession(WireSession):
             raise StreamError("a second start")
         call = self.dialect.start(msg)
         if self.verify is not None and not await self.verify(call.parameters.get(CREDENTIAL_PARAMETER)):
-            self.core.shared.observer.error(E_UNAUTHORIZED)
+            self.observer.error(E_UNAUTHORIZED)
             raise CloseConnection(None, "the stream's credential was refused", CLOSE_POLICY_VIOLATION, "unauthorized")
         self.call, self._decoder = call, Decoder(call.audio)
         await self._answer_as(call.parameters)
