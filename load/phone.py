@@ -129,12 +129,19 @@ class Phone:
         if self._play_clock is None or now >= self._played_out_at():  # the queue ran dry
             if self._last_frame_at is not None and now - self._last_frame_at < REPLY_IDLE_S:
                 self.gaps.append(now - self._played_out_at())  # inside a reply: dead air
-            elif self._last_frame_at is None or now - self._last_frame_at >= REPLY_IDLE_S:
+            else:  # the first frame after a pause (or a clear): a reply begins
                 self.first_audio_after.append(now)
             self._play_clock, self._queued_ms = now, 0.0
         self._queued_ms += len(data) / BYTES_PER_MS
         self._last_frame_at = now
         self.received.append((now, len(data)))
+
+    def _receive_clear(self, now: float) -> None:
+        """The queued audio is dropped and its marks echoed at once; the reply is over, so the
+        next frame begins another (not dead air, however soon it comes)."""
+        self.clears.append(now)
+        self._play_clock, self._queued_ms, self._last_frame_at = None, 0.0, None
+        self._pending = [(now, name) for _, name in self._pending]
 
     async def _read(self) -> None:
         try:
@@ -146,9 +153,7 @@ class Phone:
                     self.marks.append(msg["mark"]["name"])
                     self._pending.append((self._played_out_at(), msg["mark"]["name"]))
                 elif msg["event"] == "clear":
-                    self.clears.append(now)
-                    self._play_clock, self._queued_ms = None, 0.0
-                    self._pending = [(now, name) for _, name in self._pending]  # echoed at once
+                    self._receive_clear(now)
                 await self._notify()
         except websockets.ConnectionClosed:
             pass  # a normal close ends the loop without it
@@ -181,10 +186,18 @@ class Phone:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             began = [t for t in self.first_audio_after if t > since]
-            if began and time.monotonic() - self._last_frame_at >= REPLY_IDLE_S:
+            if began and self._last_frame_at is not None and time.monotonic() - self._last_frame_at >= REPLY_IDLE_S:
                 return
             await asyncio.sleep(0.05)
-        raise TimeoutError(f"no whole reply within {timeout} s")
+        raise TimeoutError(f"no whole reply within {timeout} s: {self._describe(since)}")
+
+    def _describe(self, since: float) -> str:
+        """What came, relative to ``since`` (seconds): for a failure's message."""
+        rel = lambda ts: [round(t - since, 2) for t in ts]  # noqa: E731
+        last = None if self._last_frame_at is None else round(self._last_frame_at - since, 2)
+        return (f"replies began at {rel(self.first_audio_after)}, clears at {rel(self.clears)}, "
+                f"last frame at {last}, {len(self.received)} frames, {len(self.gaps)} gaps "
+                f"(max {max(self.gaps, default=0):.2f} s), marks {self.marks[-3:]}")
 
 
 async def call(url: str, turns: int, provider: str, speech_frames: list[list[bytes]], silence: list[bytes]) -> dict:

@@ -452,3 +452,20 @@ def test_the_agent_hangs_up_only_once_its_goodbye_has_played(api):
     carrier = asyncio.run(go())
     assert carrier.close_code == 1000 and len(carrier.echoed_at) == len(carrier.of("mark")) >= 10
     assert len(api.requests) == 1 and api.arrived[0] >= carrier.echoed_at[-1]
+
+
+def test_the_simulated_phone_counts_a_reply_after_a_clear_as_a_new_reply_not_dead_air():
+    """load/phone.py's playback model, which the e2e call and load.phone measure with: a 20 ms
+    frame arriving after the queue ran dry is dead air inside a reply, but after a ``clear`` the
+    reply is over, and the next frame (however soon) begins the next reply."""
+    from load.phone import Phone
+
+    frame = b"\xff" * 160  # 20 ms of μ-law
+    phone = Phone()
+    for i in range(5):
+        phone._receive_media(frame, 10.0 + 0.01 * i)  # 100 ms queued by 10.04
+    phone._receive_media(frame, 10.3)  # the queue ran dry at 10.1: 200 ms of dead air
+    assert phone.first_audio_after == [10.0] and phone.gaps == pytest.approx([0.2])
+    phone._receive_clear(10.35)
+    phone._receive_media(frame, 11.0)  # 0.7 s after the last frame, within a reply's pause
+    assert phone.first_audio_after == [10.0, 11.0] and phone.gaps == pytest.approx([0.2])
