@@ -251,6 +251,12 @@ class Conversation:
     async def next_message(self, timeout: float = 60) -> dict:
         return await asyncio.wait_for(self._inbox.get(), timeout)
 
+    async def update(self, **settings) -> dict:
+        """``session.update`` with these agent settings (docs/protocol.md); its answer,
+        ``session.updated`` or the ``error`` that refused them."""
+        await self.send(P.pack({"type": "session.update", **settings}))
+        return await self.wait_for(lambda m: m["type"] in ("session.updated", "error"), timeout=30)
+
     async def wait_for(self, pred, timeout: float = 120) -> dict:
         """Consume messages until one satisfies ``pred``; return it."""
         deadline = time.monotonic() + timeout

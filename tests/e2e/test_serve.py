@@ -21,6 +21,10 @@ from pipeline import protocol as P
 from pipeline.audio import speech_like
 from tests.e2e.serve_process import HANDS_FREE_URL, PORT, ROOT, URL, healthz
 
+# A session setting (docs/protocol.md) for tests about many turns, not long replies: each reply
+# is still whole (every clause spoken, response.done), in a fraction of the tiny LLM's 24 tokens.
+SHORT_REPLY = 6
+
 pytestmark = pytest.mark.timeout(1500)
 
 
@@ -73,6 +77,7 @@ def test_ten_turn_conversation(server):
         async with Conversation(URL) as conv:
             assert conv.ready["input_sample_rate"] == 16000
             assert conv.ready["output_sample_rate"] == 24000
+            assert (await conv.update(max_output_tokens=SHORT_REPLY))["type"] == "session.updated"
             results = []
             for i in range(10):
                 if i % 2 == 0:
@@ -240,6 +245,8 @@ def test_idle_sessions_hold_no_recogniser_slot(server):
             async with Conversation(URL) as speaker:
                 first = await speaker.say_audio(speech_like(1.5, seed=50), chunk_ms=250)
                 speaker_errors = list(speaker.errors)
+            for c in idle[: NUM_SLOTS + 1]:
+                await c.update(max_output_tokens=SHORT_REPLY)
             turns = [await c.say_audio(speech_like(1.2, seed=60 + i), chunk_ms=250)
                      for i, c in enumerate(idle[: NUM_SLOTS + 1])]
             return first, speaker_errors, turns, [(c.errors, c.closed) for c in idle]
