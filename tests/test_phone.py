@@ -20,6 +20,7 @@ from scipy.signal import resample_poly
 
 import pytest
 
+from load.phone import Phone
 from pipeline.adapters.phone import PhoneSession
 from pipeline.call_control import TelnyxCalls, TwilioCalls
 from pipeline.connection import SessionRegistry, serve_connection
@@ -458,8 +459,6 @@ def test_the_simulated_phone_counts_a_reply_after_a_clear_as_a_new_reply_not_dea
     """load/phone.py's playback model, which the e2e call and load.phone measure with: a 20 ms
     frame arriving after the queue ran dry is dead air inside a reply, but after a ``clear`` the
     reply is over, and the next frame (however soon) begins the next reply."""
-    from load.phone import Phone
-
     frame = b"\xff" * 160  # 20 ms of μ-law
     phone = Phone()
     for i in range(5):
