@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl
 
 import numpy as np
 import ray
-from fastapi import FastAPI, Request, WebSocket
+from fastapi import FastAPI, HTTPException, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from ray import exceptions as ray_errors
@@ -27,7 +27,7 @@ from starlette.websockets import WebSocketDisconnect
 from deployments import proxy_limits
 from deployments.session_store import RaySnapshots
 from pipeline import metrics
-from pipeline.adapters.phone import PhoneSession
+from pipeline.adapters.phone import serve_call
 from pipeline.adapters.realtime import RealtimeSession
 from pipeline.adapters.v1 import Session
 from pipeline.adapters.webrtc import WebRTCSession
@@ -40,8 +40,13 @@ from pipeline.connection import (ClientGone, Resumption, SessionRegistry, refuse
 from pipeline.keeper import Continuity
 from pipeline.phone_config import carrier_secrets, carriers_calls, read_phone_section
 from pipeline.telephony import DIALECTS
-from pipeline.twilio_webhook import MAX_FORM_BYTES, TwilioWebhook, WebhookRefused, signed_url, stream_url
-from pipeline.webrtc_peer import MAX_OFFER_BYTES, OfferRefused, Peer, read_webrtc_section
+from pipeline.twilio_webhook import TwilioWebhook, WebhookRefused, signed_url, stream_url
+from pipeline.webrtc_peer import OfferRefused, Peer, read_webrtc_section
+from pipeline.adapters.realtime import check_opening_session
+from pipeline.adapters.realtime import refusal as realtime_refusal
+from pipeline.agent import BadSetting
+from pipeline.bodies import MAX_FORM_BYTES, MAX_SDP_BYTES, MAX_SESSION_JSON_BYTES, MULTIPART_SLACK
+from pipeline.realtime.client_events import ClientEventError
 from pipeline.listening import warm_listening
 from pipeline.audio_constants import USER_RATE
 from pipeline.engines import (Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
@@ -211,46 +216,87 @@ async def _deny(ws: WebSocket, refused: Refused) -> None:
         await ws.close(code=P.CLOSE_POLICY_VIOLATION)
 
 
-async def _json_body(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except ValueError:
-        return {}
-    return body if isinstance(body, dict) else {}
+class BodyRefused(Exception):
+    """A request body this server does not read: HTTP ``status``, with ``code`` and ``message``."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+    def response(self) -> JSONResponse:
+        error = {"type": "invalid_request_error", "code": self.code, "message": self.message}
+        if self.param is not None:
+            error["param"] = self.param
+        return JSONResponse({"error": error}, self.status)
 
 
-async def _text(part) -> str | None:
-    """A form part as text: a field, or a part sent as a file (OpenAI's SDK sends ``sdp`` as one)."""
-    if part is None or isinstance(part, str):
-        return part
-    data = await part.read(MAX_OFFER_BYTES + 1)
-    if len(data) > MAX_OFFER_BYTES:
-        raise OfferRefused("invalid_sdp", f"a part of the offer must be at most {MAX_OFFER_BYTES} bytes", 413)
-    return data.decode("utf-8", "replace")
-
-
-async def _offer(request: Request) -> tuple[str, dict | None]:
-    """The call's SDP offer and session object: an application/sdp body, or multipart with
-    ``sdp`` and ``session`` (JSON). Raises OfferRefused."""
-    kind = request.headers.get("content-type", "")
-    if int(request.headers.get("content-length") or 0) > 4 * MAX_OFFER_BYTES:
-        raise OfferRefused("invalid_sdp", f"the offer must be at most {MAX_OFFER_BYTES} bytes", 413)
-    if kind.startswith("multipart/form-data"):
-        form = await request.form(max_files=2, max_fields=8, max_part_size=MAX_OFFER_BYTES)
-        sdp, session = await _text(form.get("sdp")), await _text(form.get("session"))
-        try:
-            session = json.loads(session) if session else None
-        except ValueError:
-            raise OfferRefused("invalid_session", "the session part must be a JSON object") from None
-        if session is not None and not isinstance(session, dict):
-            raise OfferRefused("invalid_session", "the session part must be a JSON object")
-        return (sdp if isinstance(sdp, str) else ""), session
-    body = b""
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body, declared or chunked, read no further than ``limit`` bytes. The proxy's
+    body limits (pipeline/bodies.py) hold every route to its size and time before this runs; this
+    holds the size where they are not installed."""
+    declared = request.headers.get("content-length") or ""
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyRefused(413, "body_too_large", f"this request's body may be at most {limit} bytes")
+    body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_OFFER_BYTES:
-            raise OfferRefused("invalid_sdp", f"the offer must be at most {MAX_OFFER_BYTES} bytes", 413)
-    return body.decode("utf-8", "replace"), None
+        if len(body) > limit:
+            raise BodyRefused(413, "body_too_large", f"this request's body may be at most {limit} bytes")
+    return bytes(body)
+
+
+def _session_of(value, cfg, voices) -> dict | None:
+    """A call's session object (an offer's ``session`` part, a client secret's), checked as
+    ``session.update`` checks it: its known part, or BodyRefused 400 naming the bad field."""
+    if value is None:
+        return None
+    try:
+        return check_opening_session(value, cfg, voices)
+    except (BadSetting, ClientEventError) as exc:
+        code, message, param = realtime_refusal(exc)
+        raise BodyRefused(400, code, message, param) from None
+
+
+async def _offer(request: Request) -> tuple[str, object]:
+    """The call's SDP offer and session value: an application/sdp body, or multipart with ``sdp``
+    and ``session`` (JSON). Raises BodyRefused."""
+    body = await _body(request, MAX_SDP_BYTES + MAX_SESSION_JSON_BYTES + MULTIPART_SLACK)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        if len(body) > MAX_SDP_BYTES:
+            raise BodyRefused(413, "invalid_sdp", f"the offer must be at most {MAX_SDP_BYTES} bytes")
+        return body.decode("utf-8", "replace"), None
+    replayed = False
+
+    async def receive():
+        nonlocal replayed
+        if replayed:
+            return {"type": "http.disconnect"}
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(request.scope, receive).form(max_files=2, max_fields=8,
+                                                          max_part_size=MAX_SESSION_JSON_BYTES)
+    except HTTPException as exc:  # Starlette's refusal of a malformed or oversized form
+        raise BodyRefused(400, "invalid_form", f"the multipart offer cannot be read: {exc.detail}") from None
+    sdp, session = await _text(form.get("sdp"), MAX_SDP_BYTES, "sdp"), \
+        await _text(form.get("session"), MAX_SESSION_JSON_BYTES, "session")
+    try:
+        session = json.loads(session) if session else None
+    except ValueError:
+        raise BodyRefused(400, "invalid_session", "the session part must be a JSON object", "session") from None
+    return sdp or "", session
+
+
+async def _text(part, limit: int, name: str) -> str | None:
+    """A form part as text: a field, or a part sent as a file (OpenAI's SDK sends ``sdp`` as one)."""
+    if part is None or isinstance(part, str):
+        data = None if part is None else part.encode()
+    else:
+        data = await part.read(limit + 1)
+    if data is not None and len(data) > limit:
+        raise BodyRefused(413, "body_too_large", f"the offer's {name} part must be at most {limit} bytes", name)
+    return None if data is None else data.decode("utf-8", "replace")
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1000)
@@ -279,8 +325,10 @@ class Gateway:
         # Who may come in (pipeline/admission.py): tokens are read here, in this process, from
         # the environment or file the config names; a token mode without tokens fails the start.
         auth_cfg = AuthConfig(**auth)
+        self.phone = read_phone_section(phone)
         self.gate = Gatekeeper(Authenticator(auth_cfg, load_tokens(auth_cfg)),
-                               ClientLimits(self.limits.max_sessions_per_client, self.limits.handshakes_per_minute))
+                               ClientLimits(self.limits.max_sessions_per_client, self.limits.handshakes_per_minute),
+                               max_waiting_streams=self.phone.unverified_streams)
         for code in ("unauthorized", "origin_not_allowed", "host_not_allowed", "too_many_handshakes",
                      "too_many_sessions"):
             metrics.HANDSHAKES_REFUSED.labels(code=code).inc(0)
@@ -293,12 +341,14 @@ class Gateway:
                         "`ray start`)", proxy_limits.ENV, proxy_limits.CALLBACK)
         if auth_cfg.mode == "none":
             log.warning("auth mode none: anyone who can reach this server's port can open sessions")
-        self._phone_calls(phone)
-        self.ice_servers = read_webrtc_section(webrtc)
+        self._phone_calls()
+        self.webrtc = read_webrtc_section(webrtc)
         self.rtc_calls: dict[str, Peer] = {}  # this replica's WebRTC calls (a call is pinned to its replica)
         for direction in ("in", "out"):  # exported from the start, at 0
             metrics.WEBRTC_JITTER.labels(direction=direction)
             metrics.WEBRTC_PACKETS_LOST.labels(direction=direction).inc(0)
+        for reason in ("not_public", "own_host", "name", "transport", "malformed"):
+            metrics.WEBRTC_CANDIDATES_DROPPED.labels(reason=reason).inc(0)
         self._rtc_tasks: set[asyncio.Task] = set()
         # The turn-taking models load here, before the replica is ready, not on a first caller.
         warm_listening()
@@ -307,10 +357,9 @@ class Gateway:
         self._app_name = serve.get_replica_context().app_name
         self._replica_tag = serve.get_replica_context().replica_tag.encode()
 
-    def _phone_calls(self, phone: dict | None) -> None:
-        """Phone calls (docs/phone.md): the agents, each carrier's call control and Twilio's
-        webhook, where the environment holds the carrier's account."""
-        self.phone = read_phone_section(phone)
+    def _phone_calls(self) -> None:
+        """Phone calls (docs/phone.md): each carrier's call control and Twilio's webhook, where
+        the environment holds the carrier's account."""
         self.call_controls = carriers_calls(self.phone)
         twilio = carrier_secrets(self.phone.twilio)
         self.twilio_webhook = None if twilio is None else TwilioWebhook(
@@ -404,7 +453,10 @@ class Gateway:
                 return
             self._watch_for_drain()
             await ws.accept(headers=[(REPLICA_HEADER, self._replica_tag)])
-            await serve(hs, WebSocketConnection(ws))
+            if carrier:  # its admission waits for the stream's start and credential
+                await serve(hs, WebSocketConnection(ws), admission)
+            else:
+                await serve(hs, WebSocketConnection(ws))
         finally:
             admission.release()
 
@@ -479,12 +531,11 @@ class Gateway:
             await ws.close(code=1008, reason=f"unknown carrier {provider[:40]!r}; known: {sorted(DIALECTS)}")
             return
 
-        async def serve(hs: Handshake, conn: WebSocketConnection) -> None:
+        async def serve(hs: Handshake, conn: WebSocketConnection, admission) -> None:
             metrics.CALLS.labels(provider=provider).inc()
-            await serve_connection(conn, self.backends, self.session_cfg, self.sessions, PhoneSession,
-                                   observer=metrics.MetricsObserver(), voices=self.voices, provider=provider,
-                                   verify=self._verify_stream, phone=self.phone,
-                                   calls=self.call_controls.get(provider))
+            await serve_call(conn, self.backends, self.session_cfg, self.sessions, provider, self._verify_stream,
+                             admission, self.phone.start_within_s, metrics.MetricsObserver(), voices=self.voices,
+                             phone=self.phone, calls=self.call_controls.get(provider))
 
         await self._serve_websocket(ws, serve, carrier=True)
 
@@ -495,11 +546,10 @@ class Gateway:
         if self.twilio_webhook is None:
             return JSONResponse({"error": {"code": "not_configured", "message": "phone.twilio is not configured, or "
                                            "its auth token is not set in the gateway's environment"}}, 404)
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FORM_BYTES:
-                return JSONResponse({"error": {"code": "too_large", "message": "the form is too large"}}, 413)
+        try:
+            body = await _body(request, MAX_FORM_BYTES)
+        except BodyRefused as refused:
+            return refused.response()
         form = dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
         url = str(request.url)
         try:
@@ -564,9 +614,19 @@ class Gateway:
         except Refused as refused:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             return _refusal_response(refused)
-        body = await _json_body(request)
+        try:
+            body = await _body(request, MAX_SESSION_JSON_BYTES + 1024)
+            try:
+                request_object = json.loads(body) if body.strip() else {}
+            except ValueError:
+                raise BodyRefused(400, "invalid_json", "the body must be a JSON object") from None
+            if not isinstance(request_object, dict):
+                raise BodyRefused(400, "invalid_json", "the body must be a JSON object")
+            session = _session_of(request_object.get("session"), self.session_cfg, self.voices)
+        except BodyRefused as refused:
+            return refused.response()
         return JSONResponse({"value": issued["ticket"], "expires_at": int(time.time() + issued["expires_in_s"]),
-                             "session": body.get("session") or {}}, headers={"Cache-Control": "no-store"})
+                             "session": session or {}}, headers={"Cache-Control": "no-store"})
 
     @api.post("/v1/realtime/calls")
     async def realtime_call(self, request: Request):
@@ -584,8 +644,14 @@ class Gateway:
             if self.sessions.full or self.sessions.draining:
                 raise Refused(P.E_SERVER_BUSY, "this server is at its session limit; try again shortly")
             offer, session = await _offer(request)
-            peer = Peer(self.ice_servers, on_stats=metrics.webrtc_stats)
+            session = _session_of(session, self.session_cfg, self.voices)  # before any peer exists
+            peer = Peer(self.webrtc.ice_servers, on_stats=metrics.webrtc_stats, policy=self.webrtc.policy)
             answer = await peer.answer(offer)
+            for reason, count in peer.dropped_candidates.items():
+                metrics.WEBRTC_CANDIDATES_DROPPED.labels(reason=reason).inc(count)
+        except BodyRefused as refused:
+            admission.release()
+            return refused.response()
         except Refused as refused:
             admission.release()
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()

@@ -19,6 +19,12 @@ Ray Serve's proxy runs uvicorn with its defaults, and Serve's ``HTTPOptions`` ex
   ``MAX_HEAD_BYTES`` of it, is closed. Idle kept-alive connections stay uvicorn's business.
   No per-address bound: behind a reverse proxy every client shares its address, and the deadline
   already bounds how long any connection waits for its head.
+- **Request bodies** (:class:`BodyLimits`, the ASGI middleware the callback returns): each HTTP
+  request's body is read whole here, before the request is passed on to the gateway replica, at
+  most its route's size and within ``BODY_TIMEOUT_S`` of its head (``pipeline/bodies.py``), and
+  each route holds at most its budget of requests at once. Without it, a body sent a byte at a
+  time held one of the replica's ongoing requests for as long as the client liked: 1,050 of them
+  to the phone webhook stalled every route of the replica, /healthz included.
 
 Ray runs ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` in each proxy process before it starts its
 HTTP server (it is meant to return middlewares); :func:`configure` uses that moment to make these
@@ -33,9 +39,16 @@ that environment have it; the KubeRay manifest sets it in its containers too.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import logging
+import time
+from collections import Counter
 
+from starlette.middleware import Middleware
+
+from pipeline.bodies import BODY_TIMEOUT_S, MAX_BODIES_PER_ADDRESS, ROUTES, Route
 from pipeline.protocol import MAX_WS_MESSAGE_BYTES
 
 ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -97,6 +110,103 @@ class HeadDeadline:
             self.transport.close()
 
 
+class BodyLimits:
+    """ASGI middleware of the proxy: every HTTP request's body is read whole before the request
+    goes on (to Ray's proxy, then the gateway replica), replayed to it as one message. Refused
+    here, and the connection closed: a body over its route's size (413, as soon as the declared
+    length or the bytes read pass it), one not complete within ``BODY_TIMEOUT_S`` (408), a route
+    at its budget of requests in flight, or an address with ``MAX_BODIES_PER_ADDRESS`` bodies
+    still arriving (503). WebSockets pass untouched (their messages have limits of their own)."""
+
+    LOG_EVERY_S = 10.0
+
+    def __init__(self, app, routes: tuple[Route, ...] = ROUTES):
+        self.app = app
+        self.routes = routes
+        self.in_flight: Counter[str] = Counter()  # route name -> requests in flight
+        self.arriving: Counter[str] = Counter()  # client address -> bodies still arriving
+        self.refused: Counter[str] = Counter()  # (logged now and then, not per request)
+        self._logged_at = 0.0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = next(r for r in self.routes if r.matches(scope["method"], scope["path"]))
+        address = (scope.get("client") or ("",))[0]
+        if self.in_flight[route.name] >= route.max_in_flight or self.arriving[address] >= MAX_BODIES_PER_ADDRESS:
+            await self._refuse(send, route, 503, "server_busy", "this server has too many requests of this kind in "
+                               "flight; try again shortly")
+            return
+        self.in_flight[route.name] += 1
+        try:
+            body = await self._body(scope, receive, send, route, address)
+            if body is not None:
+                await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.in_flight[route.name] -= 1
+
+    async def _body(self, scope, receive, send, route: Route, address: str) -> bytes | None:
+        """The whole body, or None once the request was refused."""
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > route.max_bytes):
+            await self._refuse(send, route, 413, "body_too_large", f"this request's body may be at most "
+                               f"{route.max_bytes} bytes")
+            return None
+        self.arriving[address] += 1
+        body = bytearray()
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    body += message.get("body", b"")
+                    if len(body) > route.max_bytes:
+                        await self._refuse(send, route, 413, "body_too_large", f"this request's body may be at "
+                                           f"most {route.max_bytes} bytes")
+                        return None
+                    if not message.get("more_body", False):
+                        return bytes(body)
+        except TimeoutError:
+            await self._refuse(send, route, 408, "body_timeout", f"the request's body must arrive within "
+                               f"{BODY_TIMEOUT_S:g} s of its head")
+            return None
+        finally:
+            self.arriving[address] -= 1
+            if not self.arriving[address]:
+                del self.arriving[address]
+
+    async def _refuse(self, send, route: Route, status: int, code: str, message: str) -> None:
+        self.refused[f"{route.name} {status}"] += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self.LOG_EVERY_S:
+            self._logged_at = now
+            log.warning("proxy body limits: refused so far %s", dict(self.refused))
+        body = json.dumps({"error": {"type": "invalid_request_error", "code": code, "message": message}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]  # a body left unread: the connection is not kept
+        if status == 503:
+            headers.append((b"retry-after", b"1"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that gives the body read as one message, then the connection's own (a
+    disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 def http_protocol() -> type:
     """The HTTP protocol class uvicorn's ``http="auto"`` picks, with :class:`HeadDeadline`."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -105,12 +215,13 @@ def http_protocol() -> type:
 
 
 def configure() -> list:
-    """The proxy's callback: uvicorn's defaults become our limits (returns no middleware)."""
+    """The proxy's callback: uvicorn's defaults become our limits; returns the body limits'
+    middleware."""
     import uvicorn
 
     original = uvicorn.Config.__init__
     if getattr(original, "gapless_limits", False):
-        return []
+        return [Middleware(BodyLimits)]
     protocol = http_protocol()
 
     @functools.wraps(original)
@@ -123,6 +234,6 @@ def configure() -> list:
 
     init.gapless_limits = True
     uvicorn.Config.__init__ = init
-    log.info("proxy limits: %s, request heads within %.0f s and %d bytes", UVICORN_LIMITS, HANDSHAKE_TIMEOUT_S,
-             MAX_HEAD_BYTES)
-    return []
+    log.info("proxy limits: %s, request heads within %.0f s and %d bytes, bodies within %.0f s", UVICORN_LIMITS,
+             HANDSHAKE_TIMEOUT_S, MAX_HEAD_BYTES, BODY_TIMEOUT_S)
+    return [Middleware(BodyLimits)]

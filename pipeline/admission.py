@@ -62,12 +62,45 @@ class Admission:
             self._limits.close_session(self.address)
 
 
+class StreamAdmission:
+    """A carrier stream admitted to wait for its start (``pipeline/adapters/phone.py``
+    ``serve_call``): it holds one of the replica's waiting places, and no session place, until
+    ``verified()`` exchanges the one for the other (Refused when its address has none left);
+    ``refused()`` counts a stream that never showed a good start as a failed attempt of its
+    address. ``release()`` once, when it ends, gives back whichever it holds."""
+
+    def __init__(self, gate: "Gatekeeper", hs: Handshake):
+        self._gate, self._hs = gate, hs
+        self._waiting = True
+        self._session: Admission | None = None
+
+    def verified(self) -> None:
+        self._stop_waiting()
+        self._session = self._gate._open(self._hs)
+
+    def refused(self) -> None:
+        self._gate._count_failure(self._hs.address)
+
+    def release(self) -> None:
+        self._stop_waiting()
+        if self._session is not None:
+            self._session.release()
+
+    def _stop_waiting(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self._gate.waiting_streams -= 1
+
+
 class Gatekeeper:
-    def __init__(self, auth: Authenticator, limits: ClientLimits, failures: ClientLimits | None = None):
+    def __init__(self, auth: Authenticator, limits: ClientLimits, failures: ClientLimits | None = None,
+                 max_waiting_streams: int = 16):
         self.auth = auth
         self.limits = limits  # handshakes with good credentials, and sessions, per address
         # handshakes refused for their credentials, per address (the same rate)
         self.failures = failures or ClientLimits(1, limits.per_minute, max_clients=limits.max_clients)
+        self.max_waiting_streams = max_waiting_streams  # carrier streams yet to show their credential
+        self.waiting_streams = 0
 
     def admit(self, hs: Handshake) -> Admission:
         """Admit a conversation handshake, or raise Refused."""
@@ -76,12 +109,28 @@ class Gatekeeper:
         self._check_credentials(hs, lambda: self.auth.check(hs.headers, hs.query))
         return self._open(hs)
 
-    def admit_stream(self, hs: Handshake) -> Admission:
-        """Admit a carrier's media stream (a phone call), or raise Refused: its credential comes
-        inside the stream (a carrier's handshake carries no headers of ours, and no Origin), so
-        here only the host and the address's rates and sessions are checked."""
+    def admit_stream(self, hs: Handshake) -> StreamAdmission:
+        """Admit a carrier's media stream (a phone call) to wait for its start, or raise Refused:
+        its credential comes inside the stream (a carrier's handshake carries no headers of ours,
+        and no Origin), so here the host, the address's failed attempts and the replica's places
+        for waiting streams are checked; its session place is taken once the credential is good
+        (:class:`StreamAdmission`)."""
         self._check_host(hs)
-        return self._open(hs)
+        try:
+            self.failures.check_rate(hs.address)
+        except LimitExceeded as exc:
+            raise Refused(exc.code, str(exc)) from None
+        if self.waiting_streams >= self.max_waiting_streams:
+            raise Refused("server_busy", f"{self.max_waiting_streams} call streams are waiting for their start "
+                                         "here already; try again shortly")
+        self.waiting_streams += 1
+        return StreamAdmission(self, hs)
+
+    def _count_failure(self, address: str) -> None:
+        try:
+            self.failures.handshake(address)
+        except LimitExceeded:
+            pass  # this failure is the one that reached the rate; the next attempt is refused
 
     def _open(self, hs: Handshake) -> Admission:
         """Count the handshake against the address's rate and take one of its session places."""
@@ -129,10 +178,7 @@ class Gatekeeper:
         try:
             check()
         except AuthError as exc:
-            try:
-                self.failures.handshake(hs.address)
-            except LimitExceeded:
-                pass  # this refusal is the one that reached the rate; the next is refused above
+            self._count_failure(hs.address)
             raise Refused(E_UNAUTHORIZED, str(exc)) from None
 
     def _check_origin(self, hs: Handshake) -> None:

@@ -112,6 +112,10 @@ for _outcome in ("hit", "miss", "cancelled"):
 SMART_TURN = Histogram("voice_smart_turn_seconds", "One Smart Turn end-of-turn call (gateway).", buckets=LATENCY_BUCKETS)
 CALLS = Counter("voice_calls", "Phone calls' media streams opened, by carrier.", ["provider"])
 WEBRTC_CALLS = Counter("voice_webrtc_calls", "WebRTC calls answered (POST /v1/realtime/calls).")
+WEBRTC_CANDIDATES_DROPPED = Counter(
+    "voice_webrtc_candidates_dropped", "ICE candidates of WebRTC offers this server sends no checks to, by reason: "
+    "not_public (private, loopback, link-local, multicast, reserved, outside webrtc.allowed_candidate_networks), "
+    "own_host, name (mDNS), transport (not UDP), malformed.", ["reason"])
 WEBRTC_JITTER = Histogram(
     "voice_webrtc_jitter_seconds", "RTP jitter of WebRTC calls' audio as RTCP reports it: in (the caller's, as "
     "received here), out (the reply's, as the caller's receiver reports it).", ["direction"], buckets=LATENCY_BUCKETS)

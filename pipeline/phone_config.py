@@ -79,6 +79,10 @@ class PhoneConfig:
     telnyx: CarrierAccount | None = None
     replay_window_s: float = 3600.0  # a webhook request is accepted once within this window
     hang_up_within_s: float = 10.0  # end_call/transfer_call wait this long at most for the reply to play
+    # A media stream holds no session place until its start shows a good credential: until then it
+    # waits, at most start_within_s, among at most unverified_streams such streams per gateway replica.
+    start_within_s: float = 5.0  # carriers send start at once (Twilio: within its first messages)
+    unverified_streams: int = 16
 
     def agent(self, name: str | None) -> PhoneAgent:
         """The named agent (None: the default one; raises KeyError for a name not configured)."""
@@ -117,8 +121,11 @@ def read_phone_section(section: Mapping[str, Any] | None) -> PhoneConfig:
         raise ValueError(f"phone default_agent {cfg.default_agent!r} is not one of the agents {sorted(agents)}")
     if cfg.public_url is not None and not cfg.public_url.startswith(("https://", "http://")):
         raise ValueError(f"phone public_url must be an http(s) URL, got {cfg.public_url!r}")
-    if not (cfg.replay_window_s > 0 and cfg.hang_up_within_s > 0):
-        raise ValueError("phone replay_window_s and hang_up_within_s must be positive")
+    if not (cfg.replay_window_s > 0 and cfg.hang_up_within_s > 0 and 0 < cfg.start_within_s <= 60):
+        raise ValueError("phone replay_window_s and hang_up_within_s must be positive, start_within_s 0-60 s")
+    if isinstance(cfg.unverified_streams, bool) or not isinstance(cfg.unverified_streams, int) \
+            or cfg.unverified_streams < 1:
+        raise ValueError(f"phone unverified_streams must be a positive integer, got {cfg.unverified_streams!r}")
     return cfg
 
 

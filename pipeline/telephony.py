@@ -42,6 +42,19 @@ def _str(value, what: str) -> str:
     return value
 
 
+def _parameters(params, what: str) -> dict[str, str]:
+    """A start's custom parameters (what the call's setup passed): names are strings, values
+    strings or numbers (read as text); anything else is refused, naming the field."""
+    if not isinstance(params, dict):
+        raise StreamError(f"{what} must be an object")
+    out = {}
+    for name, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise StreamError(f"{what}.{str(name)[:40]} must be a string, got {type(value).__name__}")
+        out[name] = str(value)
+    return out
+
+
 def _object(msg: dict, name: str) -> dict:
     value = msg.get(name)
     if not isinstance(value, dict):
@@ -87,13 +100,10 @@ class Twilio:
         fmt = start.get("mediaFormat") or {}
         if not isinstance(fmt, dict) or (fmt.get("encoding"), fmt.get("sampleRate"), fmt.get("channels", 1)) \
                 != ("audio/x-mulaw", 8000, 1):
-            raise StreamError(f"only audio/x-mulaw at 8000 Hz, mono, is served; the stream offers {fmt!r}")
-        params = start.get("customParameters") or {}
-        if not isinstance(params, dict):
-            raise StreamError("start.customParameters must be an object")
+            raise StreamError(f"only audio/x-mulaw at 8000 Hz, mono, is served; the stream offers {str(fmt)[:200]}")
         return CallStart(_str(start.get("streamSid") or msg.get("streamSid"), "start.streamSid"),
                          _str(start.get("callSid"), "start.callSid"), PCMU,
-                         {str(k): str(v) for k, v in params.items()})
+                         _parameters(start.get("customParameters") or {}, "start.customParameters"))
 
     @staticmethod
     def media(stream_id: str, data: bytes) -> dict:
@@ -119,17 +129,18 @@ class Telnyx:
     def start(cls, msg: dict) -> CallStart:
         start = _object(msg, "start")
         fmt = start.get("media_format") or {}
-        audio = cls.ENCODINGS.get(fmt.get("encoding")) if isinstance(fmt, dict) else None
+        encoding = fmt.get("encoding") if isinstance(fmt, dict) else None
+        audio = cls.ENCODINGS.get(encoding) if isinstance(encoding, str) else None
         if audio is None or str(fmt.get("sample_rate", 8000)) != "8000" or str(fmt.get("channels", 1)) != "1":
-            raise StreamError(f"only PCMU or PCMA at 8000 Hz, mono, is served; the stream offers {fmt!r}")
+            raise StreamError(f"only PCMU or PCMA at 8000 Hz, mono, is served; the stream offers {str(fmt)[:200]}")
         params = start.get("custom_parameters") or {}
         if isinstance(params, list):  # the call command's form: [{"name": ..., "value": ...}]
-            params = {p.get("name"): p.get("value") for p in params if isinstance(p, dict)}
-        if not isinstance(params, dict):
-            raise StreamError("start.custom_parameters must be an object or a list of name/value pairs")
+            if not all(isinstance(p, dict) and isinstance(p.get("name"), str) for p in params):
+                raise StreamError("start.custom_parameters is a list of {name, value} with string names")
+            params = {p["name"]: p.get("value") for p in params}
         return CallStart(_str(msg.get("stream_id") or start.get("stream_id"), "stream_id"),
                          _str(start.get("call_control_id"), "start.call_control_id"), audio,
-                         {str(k): str(v) for k, v in params.items()})
+                         _parameters(params, "start.custom_parameters"))
 
     @staticmethod
     def media(stream_id: str, data: bytes) -> dict:

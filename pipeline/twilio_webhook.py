@@ -18,7 +18,6 @@ from urllib.parse import urlsplit
 from twilio.request_validator import RequestValidator
 from twilio.twiml.voice_response import Connect, VoiceResponse
 
-MAX_FORM_BYTES = 64 * 1024  # Twilio's form is a few hundred bytes
 CALL_PARAMETERS = ("agent", "voice")  # what the webhook's query may pass on to the call
 
 

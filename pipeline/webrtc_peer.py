@@ -12,6 +12,17 @@ named ``oai-events``; :meth:`Peer.answer` checks the offer, answers it, and from
 - a peer whose ICE does not connect within ``ICE_CONNECT_WITHIN_S`` is closed, and so is one
   whose connection fails or closes: the session then ends as when a WebSocket client leaves.
 
+An offer cannot aim this server's packets (:class:`IcePolicy`): it may carry at most
+``max_candidates`` ICE candidates (more is refused), and a candidate this server would send
+connectivity checks to must be a public unicast address that is not one of this host's own,
+unless the operator allows its network (``webrtc.allowed_candidate_networks``); names (mDNS
+``.local`` host candidates) are never resolved. The others are dropped from the offer, and so is
+``a=end-of-candidates``: the server keeps listening, and a caller whose checks reach it is
+learnt from them (a peer-reflexive candidate, RFC 8445 7.3.1.3) and answered there, as an
+ICE-lite server would. So a caller behind NAT, or on the server's own network, still connects,
+while the checks the server starts go only where an allowed candidate points, at aioice's pace
+(one new check per 20 ms), for at most ``ICE_CONNECT_WITHIN_S``.
+
 Nothing here is unbounded: the inbox (events and microphone frames), the reply audio queued and
 the data channel's send buffer each have a cap.
 """
@@ -19,10 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import fractions
+import ipaddress
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -32,13 +44,14 @@ from aiortc.sdp import SessionDescription
 from av import AudioFrame, AudioResampler
 
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
-from pipeline.connection import ClientGone
+from pipeline.bodies import MAX_SDP_BYTES
+from pipeline.engines import ClientGone
 from pipeline.history import new_id
 
 log = logging.getLogger(__name__)
 
 DATA_CHANNEL = "oai-events"
-MAX_OFFER_BYTES = 64 * 1024
+MAX_CANDIDATES = 20  # ICE candidates an offer may carry (browsers send 1-8: host, srflx, relay)
 ICE_CONNECT_WITHIN_S = 15.0
 FRAME_S = 0.02
 REPLY_FRAME = int(REPLY_RATE * FRAME_S)  # 480 samples at 24 kHz
@@ -64,10 +77,66 @@ class MicAudio:
     pcm: np.ndarray
 
 
-def check_offer(sdp: str) -> None:
-    """Raise OfferRefused unless ``sdp`` is an SDP offer with an audio section that offers Opus."""
-    if not sdp.strip() or len(sdp.encode()) > MAX_OFFER_BYTES:
-        raise OfferRefused("invalid_sdp", f"the offer must be an SDP body of at most {MAX_OFFER_BYTES} bytes")
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True)
+class IcePolicy:
+    """Where an offer's candidates may point this server's connectivity checks: public unicast
+    addresses other than this host's own (``own``), and any address in ``allowed`` (networks the
+    operator allows: a LAN, a VPN, loopback for a local test)."""
+
+    max_candidates: int = MAX_CANDIDATES
+    allowed: tuple[Network, ...] = ()
+    own: frozenset = field(default_factory=frozenset)
+
+    def verdict(self, host: str) -> str | None:
+        """None where checks may go to ``host``; else why not (a metrics label)."""
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return "name"  # an mDNS name: resolving it would send a query of the caller's choosing
+        if any(ip in net for net in self.allowed):
+            return None
+        if ip in self.own:
+            return "own_host"
+        return None if ip.is_global and not ip.is_multicast else "not_public"
+
+
+def host_addresses() -> frozenset:
+    """This host's own addresses (every interface's: what aioice gathers candidates on)."""
+    from aioice.ice import get_host_addresses
+
+    return frozenset(ipaddress.ip_address(a.split("%")[0]) for a in get_host_addresses(use_ipv4=True, use_ipv6=True))
+
+
+def check_offer(sdp: str, policy: IcePolicy | None = None) -> tuple[str, Counter]:
+    """``sdp`` as this server answers it: an SDP offer with an audio section that offers Opus, at
+    most ``policy.max_candidates`` candidates, those the policy refuses dropped (and
+    ``a=end-of-candidates``, so that a caller is still learnt from its own checks). Returns it
+    with the count of dropped candidates by reason; raises OfferRefused."""
+    policy = policy or IcePolicy()
+    if not sdp.strip() or len(sdp.encode()) > MAX_SDP_BYTES:
+        raise OfferRefused("invalid_sdp", f"the offer must be an SDP body of at most {MAX_SDP_BYTES} bytes")
+    lines = sdp.splitlines()
+    candidates = [line for line in lines if line.startswith("a=candidate:")]
+    if len(candidates) > policy.max_candidates:
+        raise OfferRefused("too_many_candidates", f"the offer carries {len(candidates)} ICE candidates; at most "
+                                                  f"{policy.max_candidates} are taken (browsers send a handful)")
+    dropped: Counter = Counter()
+    kept = []
+    for line in lines:
+        if line.strip() == "a=end-of-candidates":
+            continue
+        if line.startswith("a=candidate:"):
+            fields = line.split()
+            why = "malformed" if len(fields) < 8 else "transport" if fields[2].lower() != "udp" \
+                else policy.verdict(fields[4])
+            if why is not None:
+                dropped[why] += 1
+                continue
+        kept.append(line)
+    sdp = "\r\n".join(kept) + "\r\n"
     try:
         parsed = SessionDescription.parse(sdp)
     except Exception as exc:  # noqa: BLE001 - aiortc's parser raises whatever it meets
@@ -79,6 +148,7 @@ def check_offer(sdp: str) -> None:
         raise OfferRefused("no_audio", "the offer has no audio section: offer the microphone's track (sendrecv)")
     if not any(c.mimeType.lower() == "audio/opus" for m in audio for c in m.rtp.codecs):
         raise OfferRefused("unsupported_codec", "the offer's audio has no Opus; this server speaks Opus only")
+    return sdp, dropped
 
 
 class ClockedAudioTrack(MediaStreamTrack):
@@ -162,8 +232,11 @@ class Peer:
     """One call: the peer connection, its inbox and its reply track. It is the session's
     Connection (``receive``, ``send``, ``close``)."""
 
-    def __init__(self, ice_servers: list[dict] | None = None, on_stats: Callable[[str, float, int], None] | None = None):
+    def __init__(self, ice_servers: list[dict] | None = None, on_stats: Callable[[str, float, int], None] | None = None,
+                 policy: IcePolicy | None = None):
         self.id = new_id("rtc")
+        self.policy = policy or IcePolicy()
+        self.dropped_candidates: Counter = Counter()  # the offer's candidates not taken, by reason
         config = RTCConfiguration(iceServers=[RTCIceServer(**s) for s in ice_servers or []])
         self.pc = RTCPeerConnection(config)
         self.speaker = ReplyTrack()
@@ -184,7 +257,7 @@ class Peer:
 
     async def answer(self, offer_sdp: str) -> str:
         """Check and answer the offer; returns the answer's SDP (ICE candidates gathered in it)."""
-        check_offer(offer_sdp)
+        offer_sdp, self.dropped_candidates = check_offer(offer_sdp, self.policy)
         try:
             await self.pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
             self.pc.addTrack(self.speaker)
@@ -206,8 +279,6 @@ class Peer:
             self._early.append(frame)  # the channel opens after the answer: they go out then
             return
         if self.channel.bufferedAmount > MAX_CHANNEL_BUFFER:
-            from pipeline.connection import ClientGone
-
             log.warning("call %s: the data channel holds %d bytes unread: closing", self.id, self.channel.bufferedAmount)
             await self.close()
             raise ClientGone()
@@ -304,16 +375,34 @@ class Peer:
                 self.rtt_s = stats.roundTripTime
 
 
-def read_webrtc_section(section: dict | None) -> list[dict]:
-    """``webrtc:`` of a serve config -> its ICE servers (``{urls, username, credential}`` each,
-    as RTCIceServer takes them); an unknown name or a bad server raises ValueError."""
+@dataclass(frozen=True)
+class WebRTCConfig:
+    ice_servers: list[dict]  # {urls, username, credential} each, as RTCIceServer takes them
+    policy: IcePolicy
+
+
+SECTION_KEYS = ("ice_servers", "max_candidates", "allowed_candidate_networks")
+
+
+def read_webrtc_section(section: dict | None) -> WebRTCConfig:
+    """``webrtc:`` of a serve config: its ICE servers, how many candidates an offer may carry and
+    the networks (CIDR) its candidates may point into besides public addresses; an unknown name or
+    a bad value raises ValueError."""
     section = dict(section or {})
-    unknown = set(section) - {"ice_servers"}
+    unknown = set(section) - set(SECTION_KEYS)
     if unknown:
-        raise ValueError(f"unknown webrtc settings {sorted(unknown)}; known: ['ice_servers']")
+        raise ValueError(f"unknown webrtc settings {sorted(unknown)}; known: {list(SECTION_KEYS)}")
     servers = [dict(s) for s in section.get("ice_servers") or []]
     for server in servers:
         if set(server) - {"urls", "username", "credential"} or not server.get("urls"):
             raise ValueError(f"an ICE server is {{urls, username, credential}} with urls set, got {server!r}")
         RTCIceServer(**server)
-    return servers
+    most = section.get("max_candidates", MAX_CANDIDATES)
+    if isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= 100:
+        raise ValueError(f"webrtc max_candidates must be an integer from 1 to 100, got {most!r}")
+    try:
+        allowed = tuple(ipaddress.ip_network(str(n), strict=False) for n in section.get("allowed_candidate_networks")
+                        or [])
+    except ValueError as exc:
+        raise ValueError(f"webrtc allowed_candidate_networks: {exc} (networks in CIDR form, e.g. 10.0.0.0/8)") from None
+    return WebRTCConfig(servers, IcePolicy(most, allowed, host_addresses()))

@@ -240,6 +240,37 @@ def test_gate_refusals_and_their_statuses():
     assert exc.value.body()["type"] == "error"
 
 
+def test_a_carrier_stream_waits_apart_and_takes_a_session_place_only_once_verified():
+    """64 anonymous carrier streams cannot hold a token holder's places: they wait in the
+    replica's small budget of waiting streams (the 17th is refused 503 at once) and hold no
+    session place of their address; a stream never verified counts as a failed attempt of its
+    address, which is refused once past its rate; a verified one takes its address's place."""
+    g = Gatekeeper(auth(), ClientLimits(1, 4), max_waiting_streams=16)
+    waiting = [g.admit_stream(Handshake({"host": "h:1"}, {}, "anon")) for _ in range(16)]
+    with pytest.raises(Refused) as exc:
+        g.admit_stream(Handshake({"host": "h:1"}, {}, "other"))
+    assert (exc.value.status, exc.value.code) == (503, "server_busy")
+    assert g.limits.sessions("anon") == 0
+    g.admit(Handshake({"authorization": f"Bearer {TOKEN}", "host": "h:1"}, {}, "anon"))  # a token holder
+    for w in waiting[:4]:  # four never showed a good start: the address's rate of failures is spent
+        w.refused()
+        w.release()
+    with pytest.raises(Refused) as exc:
+        g.admit_stream(Handshake({"host": "h:1"}, {}, "anon"))
+    assert (exc.value.status, exc.value.code) == (429, "too_many_handshakes")
+    good = g.admit_stream(Handshake({"host": "h:1"}, {}, "carrier"))
+    good.verified()  # its start showed a good credential: now it is a session of its address
+    assert g.limits.sessions("carrier") == 1 and g.waiting_streams == 12
+    with pytest.raises(Refused) as exc:
+        g.admit_stream(Handshake({"host": "h:1"}, {}, "carrier")).verified()  # past its address's cap
+    assert exc.value.code == "too_many_sessions"
+    good.release()
+    good.release()
+    for w in waiting[4:]:
+        w.release()
+    assert g.limits.sessions("carrier") == 0 and g.waiting_streams == 0
+
+
 def test_tickets_and_metrics_need_the_token():
     g = gate()
     with pytest.raises(Refused) as exc:

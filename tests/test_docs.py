@@ -44,6 +44,7 @@ NOT_OURS = {
     "tables.md": "written by load/gpu_serve.sh into its output folder",
     "facts.tsv": "written by load/gpu_serve.sh into its output folder",
     "modules/streaming.py": "moshi's (the style model named in the docs)",
+    "/tmp/ray/prom_metrics_service_discovery.json": "written by Ray's head node while it runs (docs/scaling.md)",
     "dist.umd/msgpack.min.js": "the file of the @msgpack/msgpack npm package that web/vendor/ holds",
 }
 SESSION_EVENTS = {"ready", "update", "updated", "created"}

@@ -21,9 +21,10 @@ from scipy.signal import resample_poly
 import pytest
 
 from load.phone import Phone
-from pipeline.adapters.phone import PhoneSession
+from pipeline.adapters.phone import serve_call
 from pipeline.call_control import TelnyxCalls, TwilioCalls
-from pipeline.connection import SessionRegistry, serve_connection
+from pipeline.connection import SessionRegistry
+from pipeline.conversation.observer import Observer
 from pipeline.phone_config import read_phone_section
 from pipeline.session_config import SessionConfig
 from tests.fake_carrier_api import FakeCarrierAPI
@@ -159,11 +160,23 @@ async def _until(session, predicate, timeout: float = 30) -> None:
             await changed.wait()
 
 
-async def _call(backends, carrier: Carrier, verify=None, cfg: SessionConfig | None = None, **phone):
+async def _call(backends, carrier: Carrier, verify=None, cfg: SessionConfig | None = None, door=None,
+                start_within_s: float = 5.0, **phone):
+    """The call served as the gateway serves it (``serve_call``: its start first, then the session)."""
     registry = Registry()
-    served = asyncio.create_task(serve_connection(carrier, backends, cfg or _cfg(), registry, PhoneSession,
-                                                  provider=carrier.provider, verify=verify, **phone))
+    served = asyncio.create_task(serve_call(carrier, backends, cfg or _cfg(), registry, carrier.provider, verify,
+                                            door, start_within_s, **phone))
     return served, registry
+
+
+class Errors(Observer):
+    """An observer that keeps the error codes counted."""
+
+    def __init__(self):
+        self.codes: list[str] = []
+
+    def error(self, code: str) -> None:
+        self.codes.append(code)
 
 
 def _calls(provider: str, api: FakeCarrierAPI):
@@ -181,7 +194,8 @@ AGENTS = read_phone_section({"agents": {
 }})
 
 
-async def _agent_call(backends, provider: str, agent: str, api: FakeCarrierAPI, before=None, **parameters):
+async def _agent_call(backends, provider: str, agent: str, api: FakeCarrierAPI, before=None, observer=None,
+                      **parameters):
     """A call whose start names ``agent``; runs until the stream closes (30 s at most)."""
     carrier = Carrier(provider)
     carrier.connected()
@@ -191,7 +205,7 @@ async def _agent_call(backends, provider: str, agent: str, api: FakeCarrierAPI, 
     # A forced call is one item, after all its tokens: the slow test LLM (20 ms a token) needs more
     # than the default 1.5 s for a transfer's arguments.
     served, registry = await _call(backends, carrier, cfg=_cfg(engine_timeout_s=5.0), phone=AGENTS,
-                                   calls=_calls(provider, api))
+                                   calls=_calls(provider, api), observer=observer)
     await asyncio.wait_for(served, 30)
     return carrier, (registry.opened or [None])[0]
 
@@ -280,13 +294,33 @@ def _verifier(good: set[str]):
 
 
 def test_telnyx_streams_pcma_both_ways(engines):  # noqa: F811
-    backends = _fresh(engines)
+    """A-law, both ways, against a reference tone: the caller's A-law tone reaches the conversation
+    as that tone at 16 kHz; the reply's audio (a tone from the TTS) reaches the carrier as A-law of
+    it. Read as μ-law, the same bytes are not that tone: the codec is A-law, not any G.711."""
+    from tests.test_realtime import TTSSpy
+
+    spy = TTSSpy(_fresh(engines), tone=True)
+    tone16k = (8000 * np.sin(2 * np.pi * 440 * np.arange(16_000) / 16_000)).astype(np.int16)
+    pcm8k = np.clip(resample_poly(tone16k.astype(np.float64), 1, 2), -32768, 32767).astype("<i2")
+    alaw_in = audioop.lin2alaw(pcm8k.tobytes(), 2)
+    heard: list[np.ndarray] = []
 
     async def go():
         carrier = Carrier("telnyx")
         carrier.connected()
         carrier.start(encoding="PCMA")
-        served, _ = await _call(backends, carrier)
+        served, registry = await _call(spy, carrier)
+        session = await registry.first()
+        do = session.core.do
+
+        async def record(command):
+            if type(command).__name__ == "Hear":
+                heard.append(command.pcm)
+            return await do(command)
+
+        session.core.do = record
+        for at in range(0, len(alaw_in), 160):
+            carrier.media(alaw_in[at:at + 160])
         carrier.dtmf("#")
         await carrier.wait(lambda sent: len([m for m in sent if m["event"] == "mark"]) >= 2)
         carrier.stop()
@@ -296,8 +330,26 @@ def test_telnyx_streams_pcma_both_ways(engines):  # noqa: F811
     carrier = asyncio.run(go())
     media = carrier.of("media")
     assert media and "streamSid" not in media[0] and carrier.close_code == 1000
-    pcm = np.frombuffer(audioop.alaw2lin(b"".join(base64.b64decode(m["media"]["payload"]) for m in media), 2), "<i2")
-    assert np.abs(pcm.astype(np.int32)).max() > 0  # A-law that decodes to sound
+    # in: the conversation heard the tone
+    got = np.concatenate(heard).astype(np.float64)
+    assert len(got) >= 0.9 * len(tone16k)  # the decoder's resampler may still hold its last few ms
+    assert error(got[1000:], tone16k.astype(np.float64)[1000:]) < 0.1  # past the resampler's start
+    # out: the carrier got A-law of the TTS's tone
+    alaw_out = b"".join(base64.b64decode(m["media"]["payload"]) for m in media)
+    made = resample_poly(np.concatenate([p for call in spy.calls for p in call["pcm"]]).astype(np.float64), 1, 3)
+
+    as_alaw = np.frombuffer(audioop.alaw2lin(alaw_out, 2), "<i2").astype(np.float64)
+    as_ulaw = np.frombuffer(audioop.ulaw2lin(alaw_out, 2), "<i2").astype(np.float64)
+    assert error(as_alaw, made) < 0.1 and error(as_ulaw, made) > 1.0
+
+
+def error(got: np.ndarray, reference: np.ndarray, lags: int = 60) -> float:
+    """How far ``got`` is from ``reference``: the RMS of the difference over the reference's RMS,
+    at the best delay of up to ``lags`` samples either way (resamplers delay a signal a little)."""
+    n = min(len(got), len(reference)) - 2 * lags
+    ref = reference[lags:lags + n]
+    return min(float(np.sqrt(np.mean((got[lags + lag:lags + lag + n] - ref) ** 2) / np.mean(ref ** 2)))
+               for lag in range(-lags, lags + 1))
 
 
 def test_the_test_carrier_speaks_twilio_as_pipecat_reads_it_and_we_write_as_pipecat_does():
@@ -371,11 +423,13 @@ def test_transfer_call_dials_a_configured_number_through_the_carriers_api(engine
 def test_a_failed_hang_up_is_counted_and_the_stream_still_ends(engines, api):  # noqa: F811
     api.requests.clear()
     api.fail = True
+    errors = Errors()
     try:
-        carrier, session = asyncio.run(_agent_call(_fresh(engines), "twilio", "hangs_up", api))
+        carrier, session = asyncio.run(_agent_call(_fresh(engines), "twilio", "hangs_up", api, observer=errors))
     finally:
         api.fail = False
     assert api.requests and carrier.close_code == 1000  # Twilio ends a call whose stream ends
+    assert errors.codes == ["call_control_failed"]
 
 
 def test_keys_answer_collect_digits_and_are_no_turn_of_their_own(engines, api):  # noqa: F811
@@ -468,3 +522,101 @@ def test_the_simulated_phone_counts_a_reply_after_a_clear_as_a_new_reply_not_dea
     phone._receive_clear(10.35)
     phone._receive_media(frame, 11.0)  # 0.7 s after the last frame, within a reply's pause
     assert phone.first_audio_after == [10.0, 11.0] and phone.gaps == pytest.approx([0.2])
+
+
+class Door:
+    """The gateway's side of a stream's start, recorded (what ``StreamAdmission`` does)."""
+
+    def __init__(self, registry_of=None):
+        self.events: list[str] = []
+
+    def verified(self) -> None:
+        self.events.append("verified")
+
+    def refused(self) -> None:
+        self.events.append("refused")
+
+
+def test_a_stream_holds_no_session_until_its_start_shows_a_good_credential(engines):  # noqa: F811
+    """A stream that never starts is closed at start_within_s; one whose credential is refused is
+    closed at once: neither ever becomes a session (the registry holds nothing for them) and each
+    counts as refused at the door. A good one is verified at the door before its session exists."""
+    backends = _fresh(engines)
+
+    async def go():
+        out = {}
+        for name, send in {"silent": lambda c: c.connected(),
+                           "forged": lambda c: c.start(parameters={"ticket": "forged"}),
+                           "good": lambda c: c.start(parameters={"ticket": "good"})}.items():
+            carrier, door = Carrier(), Door()
+            send(carrier)
+            served, registry = await _call(backends, carrier, _verifier({"good"}), door=door, start_within_s=0.5)
+            if name == "good":
+                session = await registry.first()
+                out["verified before the session"] = list(door.events)
+                carrier.stop()
+                assert session is not None
+            started = time.monotonic()
+            await asyncio.wait_for(served, 30)
+            out[name] = (carrier.close_code, carrier.close_reason, door.events, len(registry.opened),
+                         time.monotonic() - started)
+        return out
+
+    out = asyncio.run(go())
+    assert out["silent"][:4] == (1008, "no start within 0.5 s", ["refused"], 0) and out["silent"][4] >= 0.4
+    assert out["forged"][:4] == (1008, "unauthorized", ["refused"], 0)
+    assert out["verified before the session"] == ["verified"]
+    assert out["good"][:4] == (1000, "call ended", ["verified"], 1)
+
+
+def _starts() -> dict[str, dict]:
+    """Each carrier's start message as its documentation shows it (what Carrier.start sends)."""
+    out = {}
+    for provider in ("twilio", "telnyx"):
+        carrier = Carrier(provider)
+        carrier.start(parameters={"agent": "plain", "ticket": "t"})
+        out[provider] = json.loads(carrier.inbox.get_nowait())
+    return out
+
+
+def test_a_carrier_message_of_wrong_types_at_any_level_closes_its_stream_with_a_reason_never_failing_inside():
+    """Every place of each carrier's start (and of media, dtmf and mark messages), each replaced by
+    every wrong JSON type: reading it raises StreamError (the stream closes 1008 with the reason)
+    or passes; nothing else. Among them: Telnyx's media_format.encoding as a list, and a custom
+    parameter's name as a list (both closed the stream 1011 before)."""
+    from pipeline.adapters.phone import parse
+    from pipeline.telephony import DIALECTS, StreamError, digit, mark_name, payload
+    from tests.test_realtime import WRONG_TYPES, _paths, _with
+
+    readers = {"start": None, "media": payload, "dtmf": digit, "mark": mark_name}
+    messages = {("twilio", "media"): Twilio_media(), ("twilio", "dtmf"): {"event": "dtmf", "dtmf": {"digit": "1"}},
+                ("twilio", "mark"): {"event": "mark", "mark": {"name": "m"}}}
+    for provider, start in _starts().items():
+        messages[(provider, "start")] = start
+    tried = refused = 0
+    for (provider, kind), message in messages.items():
+        read = readers[kind] or DIALECTS[provider].start
+        for path in _paths(message):
+            for wrong in WRONG_TYPES:
+                tried += 1
+                try:
+                    read(parse(json.dumps(_with(message, path, wrong))))
+                except StreamError as exc:
+                    assert exc.reason, (provider, kind, path, wrong)
+                    refused += 1
+    assert tried > 400 and refused > tried / 3
+    telnyx = _starts()["telnyx"]
+    for path in [("start", "media_format", "encoding"), ("start", "custom_parameters", 0, "name"),
+                 ("start", "custom_parameters", 0, "value")]:
+        bad = _with(telnyx, path, ["PCMU"])
+        try:
+            DIALECTS["telnyx"].start(bad)
+            raise AssertionError(f"{path} as a list was taken")
+        except StreamError as exc:
+            assert path[-1] in exc.reason or "custom_parameters" in exc.reason, exc.reason
+
+
+def Twilio_media() -> dict:
+    carrier = Carrier()
+    carrier.media(b"\xff" * 160)
+    return json.loads(carrier.inbox.get_nowait())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import select
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 import uvicorn
 
 from deployments import door_env, proxy_limits
+from pipeline.bodies import Route
 from pipeline.protocol import MAX_WS_MESSAGE_BYTES
 
 MARGIN_S = 3.0  # scheduling slack on a loaded 2-core machine
@@ -157,7 +159,8 @@ def test_an_upgraded_websocket_outlives_the_head_timeout(server, monkeypatch):
 
 
 def test_configure_is_idempotent_and_keeps_the_websocket_limits(configured):
-    assert proxy_limits.configure() == []  # a second call changes nothing:
+    middleware = proxy_limits.configure()  # a second call changes nothing but returns the body limits:
+    assert [m.cls for m in middleware] == [proxy_limits.BodyLimits]
     assert not getattr(uvicorn.Config.__init__.__wrapped__, "gapless_limits", False)  # wrapped once
     cfg = uvicorn.Config(_app)
     assert (cfg.ws_max_size, cfg.ws_max_queue, cfg.ws_per_message_deflate) == (
@@ -165,6 +168,128 @@ def test_configure_is_idempotent_and_keeps_the_websocket_limits(configured):
     assert issubclass(cfg.http, proxy_limits.HeadDeadline)
     explicit = uvicorn.Config(_app, ws_max_size=5, http="h11")  # what the caller passes still wins
     assert (explicit.ws_max_size, explicit.http) == (5, "h11")
+
+
+# --- request bodies (BodyLimits, the middleware configure() returns) ---------------------------------
+
+SMALL = Route("small", "POST", re.compile(r"/small"), 100, 3)
+TEST_ROUTES = (SMALL, Route("other", None, None, 1000, 100))
+
+
+@pytest.fixture
+def body_server(configured):
+    """A uvicorn server whose app is BodyLimits around an app that reads the body and answers its
+    length; ``reached`` lists the bodies that got through to the app."""
+    reached: list[bytes] = []
+
+    async def echo(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        reached.append(body)
+        out = str(len(body)).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(out))]})
+        await send({"type": "http.response.body", "body": out})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(proxy_limits.BodyLimits(echo, TEST_ROUTES), lifespan="off", log_config=None))
+    thread = threading.Thread(target=asyncio.run, args=(srv.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)  # poll for the start, under a deadline
+    assert srv.started
+    yield sock.getsockname()[1], reached
+    srv.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+def _post(path: str, body: bytes = b"", length: int | None = None, chunked: bool = False) -> bytes:
+    head = b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n" % path.encode()
+    if chunked:
+        return head + b"Transfer-Encoding: chunked\r\n\r\n" + (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
+    return head + b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length) + body
+
+
+def _status(sock: socket.socket) -> int:
+    return int(_response(sock).split(b" ", 2)[1])
+
+
+def test_a_body_sent_a_byte_at_a_time_is_answered_408_at_its_deadline_and_others_are_served(body_server, monkeypatch):
+    port, reached = body_server
+    timeout_s = 0.5
+    monkeypatch.setattr(proxy_limits, "BODY_TIMEOUT_S", timeout_s)
+    start = time.monotonic()
+    with _connect(port, _post("/small", length=50)) as slow:
+        slow.sendall(b"x")
+        with _connect(port, _post("/small", b"y" * 50)) as ok:
+            assert _status(ok) == 200
+        status = None
+        while status is None and time.monotonic() - start < timeout_s + MARGIN_S:
+            if select.select([slow], [], [], timeout_s / 10)[0]:
+                status = _status(slow)
+            else:
+                slow.sendall(b"x")  # a byte every tenth of the deadline: the deadline counts from the head
+        assert status == 408 and time.monotonic() - start >= 0.8 * timeout_s
+        assert _closed_within(slow, MARGIN_S)
+    assert reached == [b"y" * 50]  # the slow body never reached the app
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_its_routes_size_is_answered_413_without_reaching_the_app(body_server, chunked):
+    port, reached = body_server
+    with _connect(port, _post("/small", b"z" * 101, chunked=chunked)) as sock:
+        assert _status(sock) == 413
+    with _connect(port, _post("/small", length=10**9)) as sock:  # declared: refused before a byte is read
+        assert _status(sock) == 413
+    with _connect(port, _post("/small", b"z" * 100, chunked=chunked)) as sock:  # at the cap: whole, replayed
+        assert _status(sock) == 200
+    with _connect(port, _post("/elsewhere", b"w" * 500, chunked=chunked)) as sock:  # another route's size
+        assert _status(sock) == 200
+    assert reached == [b"z" * 100, b"w" * 500]
+
+
+def test_a_route_at_its_budget_is_answered_503_at_once_and_other_routes_are_not(body_server, monkeypatch):
+    port, reached = body_server
+    monkeypatch.setattr(proxy_limits, "BODY_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(proxy_limits, "MAX_BODIES_PER_ADDRESS", 100)
+    held = [_connect(port, _post("/small", length=50) + b"x") for _ in range(SMALL.max_in_flight)]
+    try:
+        with _connect(port, _post("/small", b"y")) as over:
+            assert _status(over) == 503
+        with _connect(port, _post("/elsewhere", b"y")) as other:
+            assert _status(other) == 200
+        held[0].sendall(b"x" * 49)  # one completes: its place is free again
+        assert _status(held[0]) == 200
+        with _connect(port, _post("/small", b"y")) as again:
+            assert _status(again) == 200
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_an_address_with_bodies_still_arriving_is_answered_503_past_its_share(body_server, monkeypatch):
+    port, reached = body_server
+    monkeypatch.setattr(proxy_limits, "BODY_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(proxy_limits, "MAX_BODIES_PER_ADDRESS", 2)
+    held = [_connect(port, _post("/elsewhere", length=50) + b"x") for _ in range(2)]
+    try:
+        with _connect(port, _post("/elsewhere", b"y")) as over:
+            assert _status(over) == 503
+        held[1].sendall(b"x" * 49)
+        assert _status(held[1]) == 200
+        with _connect(port, _post("/elsewhere", b"y")) as again:
+            assert _status(again) == 200
+    finally:
+        for sock in held:
+            sock.close()
 
 
 # --- every interpreter of the environment has the callback variable (deployments/door_env.py) ----

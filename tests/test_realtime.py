@@ -258,3 +258,64 @@ def test_a_voice_change_mid_reply_reaches_the_next_clause(backends):
     np.testing.assert_array_equal(tokens[: len(rows)], rows)  # the clip's rows lead the prompt
     # the clip was encoded once at start-up, 80 ms a frame: 4.10 s -> 52 frames (by hand)
     assert len(robot.reference.codes) == 52
+
+
+def _paths(value, path=()):
+    """Every place in a JSON value: its path (keys and indexes) from the top."""
+    yield path
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _paths(child, path + (key,))
+
+
+def _with(value, path, new):
+    """``value`` (deep-copied) with ``new`` at ``path``."""
+    if not path:
+        return new
+    out = json.loads(json.dumps(value))
+    at = out
+    for key in path[:-1]:
+        at = at[key]
+    at[path[-1]] = new
+    return out
+
+
+WRONG_TYPES = [None, True, 7, 1.5, "x", [], [1], [{}], {}, {"a": {}}, {"type": {}}, {"id": []}]
+
+
+def test_a_session_of_wrong_types_at_any_level_is_refused_by_name_never_failing_inside():
+    """Every place of a full session object (server_vad and semantic_vad, tools, a voice by id, a
+    voice clip), each replaced by every wrong JSON type, on both event dialects: checking it raises
+    BadSetting or ClientEventError (the error the client gets), or passes; nothing else. The same
+    check serves session.update and a call's session (an offer's, a client secret's)."""
+    from pipeline.adapters.realtime import check_opening_session, refusal
+    from pipeline.realtime.client_events import ClientEventError
+    from pipeline.realtime.settings import initial
+
+    cfg = SessionConfig()
+    full = initial("sess_1", "gapless", cfg)
+    full.update(tools=[{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string"}}}}], tool_choice={"type": "function", "name": "f"}, max_output_tokens=100,
+        temperature=0.5)
+    full["audio"]["input"]["turn_detection"] = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                                                "silence_duration_ms": 500, "create_response": True}
+    full["audio"]["output"].update(voice={"id": "robot"}, voice_clip={"audio": "AAAAAA==", "transcript": "hi"})
+    semantic = _with(full, ("audio", "input", "turn_detection"), {"type": "semantic_vad", "eagerness": "low"})
+    check_opening_session(full, cfg, ("default", "robot"))  # the unchanged ones pass
+    check_opening_session(semantic, cfg, ("default", "robot"))
+    tried, refused = 0, set()
+    for base in (full, semantic):
+        for path in _paths(base):
+            for wrong in WRONG_TYPES:
+                tried += 1
+                try:
+                    check_opening_session(_with(base, path, wrong), cfg, ("default", "robot"))
+                except (BadSetting, ClientEventError) as exc:
+                    code, message, param = refusal(exc)
+                    assert code and message and param, (path, wrong)
+                    refused.add(path)
+    assert tried > 500
+    # wrong types where the protocol has a type are refused there, not accepted
+    for path in [("audio",), ("audio", "input"), ("audio", "input", "format", "type"), ("instructions",),
+                 ("audio", "input", "turn_detection", "eagerness"), ("tools", 0, "parameters"), ("tool_choice",)]:
+        assert path in refused or path[:-1] in refused, path

@@ -4,6 +4,8 @@ so what the reply says, clause by clause, is known. (Against `serve run`: tests/
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 
 import numpy as np
 import pytest
@@ -139,3 +141,80 @@ def test_speech_over_a_reply_sent_whole_but_still_playing_clears_the_track_and_t
     truncated = call.of("conversation.item.truncated")[0]
     assert 0 < truncated["audio_end_ms"] < 2400 and call.of("output_audio_buffer.cleared")
     assert call.loud_after(truncated_at + 0.2) == []  # the rest of the reply never played
+
+
+def _offer_with(candidates: list[str]) -> str:
+    """A minimal audio offer (Opus) carrying ``candidates`` (a=candidate lines' values)."""
+    lines = ["v=0", "o=- 1 1 IN IP4 0.0.0.0", "s=-", "t=0 0", "a=group:BUNDLE 0", "a=ice-ufrag:abcd",
+             "a=ice-pwd:abcdefghijklmnopqrstuvwx", "a=fingerprint:sha-256 " + ":".join(["AB"] * 32), "a=setup:actpass",
+             "m=audio 9 UDP/TLS/RTP/SAVPF 111", "c=IN IP4 0.0.0.0", "a=mid:0", "a=sendrecv", "a=rtcp-mux",
+             "a=rtpmap:111 opus/48000/2"]
+    return "\r\n".join(lines + [f"a=candidate:{c}" for c in candidates] + ["a=end-of-candidates"]) + "\r\n"
+
+
+def test_an_offer_with_more_candidates_than_a_browser_sends_is_refused():
+    many = [f"{i} 1 udp 2122260223 93.184.{i // 250}.{i % 250 + 1} {10000 + i} typ host" for i in range(1100)]
+    with pytest.raises(webrtc_peer.OfferRefused) as refused:
+        webrtc_peer.check_offer(_offer_with(many[:webrtc_peer.MAX_CANDIDATES + 1]))
+    assert refused.value.code == "too_many_candidates"
+    with pytest.raises(webrtc_peer.OfferRefused) as refused:  # 1,100 of them (~65 KB): too large first
+        webrtc_peer.check_offer(_offer_with(many))
+    assert refused.value.code == "invalid_sdp" and str(webrtc_peer.MAX_SDP_BYTES) in refused.value.message
+    sdp, dropped = webrtc_peer.check_offer(_offer_with(many[:webrtc_peer.MAX_CANDIDATES]))
+    assert sdp.count("a=candidate:") == webrtc_peer.MAX_CANDIDATES and not dropped
+
+
+def test_candidates_the_policy_refuses_are_dropped_by_reason():
+    policy = webrtc_peer.IcePolicy(own=frozenset({ipaddress.ip_address("93.184.216.7")}),
+                                   allowed=(ipaddress.ip_network("10.1.0.0/16"),))
+    offer = _offer_with(["1 1 udp 1 127.0.0.1 5000 typ host", "2 1 udp 1 10.9.9.9 5000 typ host",
+                         "3 1 udp 1 169.254.1.1 5000 typ host", "4 1 udp 1 224.0.0.251 5000 typ host",
+                         "5 1 udp 1 ::1 5000 typ host", "6 1 udp 1 fe80::1 5000 typ host",
+                         "7 1 udp 1 1f2e3d4c-aaaa.local 5000 typ host", "8 1 tcp 1 93.184.216.34 9 typ host tcptype active",
+                         "9 1 udp 1 93.184.216.7 5000 typ host", "10 1 udp 1 10.1.2.3 5000 typ host",
+                         "11 1 udp 1 93.184.216.34 5000 typ srflx raddr 10.0.0.2 rport 5000"])
+    sdp, dropped = webrtc_peer.check_offer(offer, policy)
+    kept = [line.split()[4] for line in sdp.splitlines() if line.startswith("a=candidate:")]
+    assert kept == ["10.1.2.3", "93.184.216.34"]  # the allowed network, and a public address
+    assert dict(dropped) == {"not_public": 6, "name": 1, "transport": 1, "own_host": 1}
+    assert "a=end-of-candidates" not in sdp  # so that a caller is learnt from its own checks
+
+
+def test_checks_go_only_where_the_policy_allows_and_a_caller_is_learnt_from_its_own_checks():
+    """An offer's candidate at a loopback port where a UDP socket listens: under the default policy
+    the server takes no remote candidate from it (nothing to send checks to), while allowing
+    loopback sends a STUN binding request there. And a real caller whose every candidate is dropped
+    (all of this machine's are private or loopback) still connects: the server learns it from the
+    caller's own checks (peer-reflexive), as an ICE-lite server does."""
+    async def go():
+        listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        offer = _offer_with([f"1 1 udp 2122260223 127.0.0.1 {port} typ host"])
+        closed = webrtc_peer.Peer()
+        await closed.answer(offer)
+        remote_default = _remote_candidates(closed)
+        await closed.close()
+        opened = webrtc_peer.Peer(policy=webrtc_peer.IcePolicy(allowed=(ipaddress.ip_network("127.0.0.0/8"),)))
+        await opened.answer(offer)
+        remote_allowed = _remote_candidates(opened)
+        stun = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(listener, 2048), 10)
+        await opened.close()
+        listener.close()
+        async with DirectCall(Engines(["Hello there."])) as call:  # every candidate of this machine dropped
+            await call.wait(lambda c: c.of("session.created"))
+            learnt = [c.type for c in _remote_candidates(call.peer)]
+            dropped = sum(call.peer.dropped_candidates.values())
+        return remote_default, remote_allowed, stun, learnt, dropped
+
+    remote_default, remote_allowed, stun, learnt, dropped = asyncio.run(go())
+    assert remote_default == [] and [(c.host, c.type) for c in remote_allowed] == [("127.0.0.1", "host")]
+    assert stun[:2] == b"\x00\x01"  # a STUN Binding Request
+    assert dropped > 0 and learnt and set(learnt) == {"prflx"}
+
+
+def _remote_candidates(peer: webrtc_peer.Peer) -> list:
+    """The remote candidates the server's ICE agent holds (aioice's Connection, under aiortc)."""
+    transports = {t.receiver.transport.transport for t in peer.pc.getTransceivers()}
+    return [c for t in transports for c in t._connection.remote_candidates]

@@ -3,7 +3,10 @@ conversation core.
 
 The carrier opens the WebSocket and speaks first: ``start`` names the call, its audio format and
 the parameters its setup passed, among them the stream's credential (a carrier's stream carries
-no headers; ``verify`` checks it, and nothing else is served before it passes). The caller's
+no headers). :func:`serve_call` reads the stream up to its start, within ``start_within_s``, and
+checks that credential (``verify``) before anything is held for the call: no session, no place
+of the replica's (the gateway bounds such waiting streams apart, ``phone.unverified_streams``).
+Only then is the call a :class:`PhoneSession`. The caller's
 G.711 becomes ``Hear`` commands at the recogniser's rate; keys become ``Digits``. Reply audio goes
 back as 20 ms G.711 frames, each reply chunk followed by a ``mark``: the carrier echoes it once the
 caller's phone has played the audio before it, and the echo becomes ``Played``, so a reply cut by
@@ -18,6 +21,7 @@ echoed); ``collect_digits`` takes keys as its result where the agent says ``dtmf
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -37,20 +41,20 @@ from pipeline.conversation.core import Conversation, Refusal
 from pipeline.conversation.observer import Observer
 from pipeline.conversation.reply import CANCELLED
 from pipeline.engines import Backends
-from pipeline.admission import E_UNAUTHORIZED
+from pipeline.admission import E_UNAUTHORIZED, Refused
 from pipeline.adapters.call_tools import CallTools
 from pipeline.call_control import CallControl
-from pipeline.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION
+from pipeline.connection import Connection, SessionRegistry, serve_connection
+from pipeline.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER
 from pipeline.phone_config import PhoneConfig
 from pipeline.session_config import SessionConfig
-from pipeline.telephony import DIALECTS, FRAME_BYTES, CallStart, StreamError, digit, mark_name, payload
+from pipeline.telephony import DIALECTS, FRAME_BYTES, CallStart, Dialect, StreamError, digit, mark_name, payload
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_CHARS = 64 * 1024  # a carrier's message: 20 ms of media is ~250 characters
 MAX_MARKS = 4096  # marks awaiting their echo (a reply sends one per chunk; older ones are forgotten)
 CREDENTIAL_PARAMETER = "ticket"  # the start parameter that carries the stream's credential
-START_WITHIN_S = 10.0  # a stream that has not started by then is closed (carriers start at once)
 SILENCE = {"audio/pcmu": b"\xff", "audio/pcma": b"\xd5"}  # G.711's zero sample
 
 
@@ -66,26 +70,109 @@ def _monotonic() -> float:
     return time.monotonic()
 
 
+def parse(frame: bytes | str) -> dict:
+    """A carrier message: a JSON object with a string ``event``; raises StreamError."""
+    if not isinstance(frame, str) or len(frame) > MAX_MESSAGE_CHARS:
+        raise StreamError(f"a carrier message is a JSON text frame of at most {MAX_MESSAGE_CHARS} characters")
+    try:
+        msg = json.loads(frame)
+    except (ValueError, RecursionError):
+        raise StreamError("a carrier message is not JSON") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
+        raise StreamError("a carrier message is a JSON object with a string \"event\"")
+    return msg
+
+
+async def await_start(conn: Connection, dialect: Dialect) -> CallStart:
+    """Read a carrier's stream up to its ``start`` (``connected`` comes first) and read that, every
+    field by its type; raises StreamError at anything else first, or a malformed start."""
+    while True:
+        frame = await conn.receive()
+        if frame is None:
+            raise StreamError("the stream ended before its start")
+        msg = parse(frame)
+        if msg["event"] == "start":
+            return dialect.start(msg)
+        if msg["event"] != "connected":
+            raise StreamError(f"{msg['event']!r} before start"[:100])
+
+
+class StreamDoor:
+    """What the gateway does around a carrier stream's start (:func:`serve_call`): ``verified``
+    turns the stream's waiting place into a session place (raises Refused when there is none),
+    ``refused`` counts a stream that never showed a good start against its address."""
+
+    def verified(self) -> None:
+        pass
+
+    def refused(self) -> None:
+        pass
+
+
+async def serve_call(conn: Connection, backends: Backends, cfg: SessionConfig, registry: SessionRegistry,
+                     provider: str, verify: Callable[[str | None], Awaitable[bool]] | None = None,
+                     door: StreamDoor | None = None, start_within_s: float = 5.0,
+                     observer: Observer | None = None, **session_args) -> None:
+    """One carrier stream: its start read within ``start_within_s`` and its credential
+    checked (``verify``) before anything is held for it; then, with a session place
+    (``door.verified``), served as a :class:`PhoneSession` until it ends. A stream that fails
+    any of this is closed 1008 with the reason (1013 when the server has no place)."""
+    observer, door = observer or Observer(), door or StreamDoor()
+    try:
+        async with asyncio.timeout(start_within_s):
+            call = await await_start(conn, DIALECTS[provider])
+            if verify is not None and not await verify(call.parameters.get(CREDENTIAL_PARAMETER)):
+                observer.error(E_UNAUTHORIZED)
+                raise StreamError("unauthorized")
+        door.verified()
+    except (StreamError, TimeoutError, Refused) as exc:
+        if isinstance(exc, StreamError) and exc.reason != "unauthorized":
+            observer.error("bad_stream")
+        if not isinstance(exc, Refused):
+            door.refused()
+        reason = exc.reason if isinstance(exc, StreamError) else \
+            f"no start within {start_within_s:g} s" if isinstance(exc, TimeoutError) else exc.code
+        log.warning("call stream refused: %s", reason)
+        code = CLOSE_TRY_AGAIN_LATER if isinstance(exc, Refused) and exc.status == 503 else CLOSE_POLICY_VIOLATION
+        try:
+            await conn.close(code, reason.encode()[:120].decode(errors="ignore"))  # a reason is at most 123 bytes
+        except Exception:  # noqa: BLE001 - the carrier has gone already
+            pass
+        return
+    await serve_connection(conn, backends, cfg, registry, PhoneSession, observer=observer, provider=provider,
+                           call=call, **session_args)
+
+
 class PhoneSession(WireSession):
+    """A call whose start was read and verified (:func:`serve_call`): ``call``."""
+
     def __init__(self, send: Callable[[str], Awaitable[None]], backends: Backends, cfg: SessionConfig | None = None,
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
-                 observer: Observer | None = None, provider: str = "twilio",
-                 verify: Callable[[str | None], Awaitable[bool]] | None = None, phone: PhoneConfig | None = None,
-                 calls: CallControl | None = None):
+                 observer: Observer | None = None, provider: str = "twilio", call: CallStart | None = None,
+                 phone: PhoneConfig | None = None, calls: CallControl | None = None):
         super().__init__(send)
+        if call is None:
+            raise ValueError("a PhoneSession serves a started call: serve_call reads its start first")
         self.dialect = DIALECTS[provider]
         self.core = Conversation(self.emit, backends, cfg, session_id, smart_turn, voices, _monotonic, observer)
         self.observer = self.core.shared.observer
-        self.verify = verify
         self.phone = phone or PhoneConfig()
         self.tools = CallTools(self.core, self.phone, calls, _monotonic)
-        self.call: CallStart | None = None
-        self._decoder: Decoder | None = None
+        self.call = call
+        self._decoder = Decoder(call.audio)
         self._encoders: dict[str, Encoder] = {}  # reply id -> its encoder
         self._unsent = b""  # encoded audio short of a whole frame
         self._marks: OrderedDict[str, SentMark] = OrderedDict()  # marks awaiting their echo
         self._last_echo: tuple[str, float] | None = None  # (item id, when) of the last echoed mark
-        self._start_by = _monotonic() + START_WITHIN_S
+
+    async def start(self) -> None:
+        try:
+            await self._answer_as(self.call.parameters)
+        except StreamError as exc:
+            self.observer.error("bad_stream")
+            raise CloseConnection(None, exc.reason, CLOSE_POLICY_VIOLATION, exc.reason.encode()[:120].decode(
+                errors="ignore")) from None
+        log.info("call %s (%s) streams as session %s", self.call.call_id, self.dialect.name, self.id)
 
     @staticmethod
     def error_frame(code: str, message: str) -> str:
@@ -93,13 +180,9 @@ class PhoneSession(WireSession):
 
     def next_deadline(self) -> float:
         due = [self.core.next_deadline(), self.tools.next_deadline(played=not self._marks)]
-        if self.call is None:
-            due.append(self._start_by)
         return min(d for d in due if d is not None)
 
     async def check_deadlines(self) -> bool:
-        if self.call is None and _monotonic() >= self._start_by:
-            raise CloseConnection(None, "no start", CLOSE_POLICY_VIOLATION, f"no start within {START_WITHIN_S:g} s")
         await self.tools.run_asked()
         if self.tools.ends_now(played=not self._marks):
             what = await self.tools.end_call(self.call.call_id)
@@ -110,15 +193,13 @@ class PhoneSession(WireSession):
     async def on_frame(self, frame: bytes | str) -> None:
         self.core.touch()
         try:
-            msg = self._parse(frame)
+            msg = parse(frame)
             event = msg["event"]
             if event == "connected":
                 return
             if event == "start":
-                await self._start(msg)
-            elif self.call is None:
-                raise StreamError(f"{event!r} before start")
-            elif event == "media":
+                raise StreamError("a second start")
+            if event == "media":
                 await self._media(msg)
             elif event == "dtmf":
                 await self.tools.key(digit(msg))
@@ -133,29 +214,6 @@ class PhoneSession(WireSession):
             raise CloseConnection(None, exc.reason, CLOSE_POLICY_VIOLATION, reason) from None
         except (BadSetting, Refusal) as exc:  # the conversation's limits: the call goes on
             log.warning("call stream %s: %s", self.id, exc)
-
-    @staticmethod
-    def _parse(frame: bytes | str) -> dict:
-        if not isinstance(frame, str) or len(frame) > MAX_MESSAGE_CHARS:
-            raise StreamError(f"a carrier message is a JSON text frame of at most {MAX_MESSAGE_CHARS} characters")
-        try:
-            msg = json.loads(frame)
-        except (ValueError, RecursionError):
-            raise StreamError("a carrier message is not JSON") from None
-        if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
-            raise StreamError("a carrier message is a JSON object with a string \"event\"")
-        return msg
-
-    async def _start(self, msg: dict) -> None:
-        if self.call is not None:
-            raise StreamError("a second start")
-        call = self.dialect.start(msg)
-        if self.verify is not None and not await self.verify(call.parameters.get(CREDENTIAL_PARAMETER)):
-            self.observer.error(E_UNAUTHORIZED)
-            raise CloseConnection(None, "the stream's credential was refused", CLOSE_POLICY_VIOLATION, "unauthorized")
-        self.call, self._decoder = call, Decoder(call.audio)
-        await self._answer_as(call.parameters)
-        log.info("call %s (%s) streams as session %s", call.call_id, self.dialect.name, self.id)
 
     async def _answer_as(self, parameters: dict[str, str]) -> None:
         """The call's agent: the one its ``agent`` parameter names (else the default), its

@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from pipeline.adapters.wire import WireSession
-from pipeline.agent import DEFAULT_VOICE, BadSetting
+from pipeline.agent import DEFAULT_VOICE, AgentSettings, BadSetting
 from pipeline.audio_constants import CODEC_FRAME_S, USER_RATE
 from pipeline.audio_formats import Decoder, Encoder
 from pipeline.calls import ToolResultError
@@ -46,6 +46,25 @@ AGENT_PARAMS = {"instructions": "session.instructions", "voice": "session.audio.
 
 def _monotonic() -> float:
     return time.monotonic()
+
+
+def refusal(exc: ClientEventError | Refusal | BadSetting) -> tuple[str, str, str | None]:
+    """(code, message, param) of an ``error`` event for what the client sent."""
+    if isinstance(exc, BadSetting):
+        param = exc.param if exc.param.startswith(("session", "response")) else f"session.{exc.param}"
+        return "invalid_value", exc.message, AGENT_PARAMS.get(exc.param, param)
+    return exc.code, exc.message, AGENT_PARAMS.get(exc.param, exc.param)
+
+
+def check_opening_session(session: Any, server: SessionConfig, voices: tuple[str, ...]) -> dict:
+    """The session object a call is made with (a WebRTC offer's ``session`` part, a client
+    secret's), checked as ``session.update`` checks it, before anything exists for the call;
+    returns its known part. Raises BadSetting or ClientEventError (:func:`refusal` words them)."""
+    _, terms, clip = S.read(session, S.initial("sess", "gapless", server), server)
+    AgentSettings().updated(terms.agent, voices)
+    if clip is not None:
+        R.voice_clip(clip)
+    return S.known(session)
 
 
 @dataclass
@@ -105,11 +124,8 @@ class RealtimeSession(WireSession):
             if handler is None:
                 raise ClientEventError("unknown_event", f"unknown or unsupported client event type {event['type']!r}")
             await handler(self, event)
-        except (ClientEventError, Refusal) as exc:
-            await self._refuse(exc.code, exc.message, AGENT_PARAMS.get(exc.param, exc.param))
-        except BadSetting as exc:
-            param = exc.param if exc.param.startswith(("session", "response")) else f"session.{exc.param}"
-            await self._refuse("invalid_value", exc.message, AGENT_PARAMS.get(exc.param, param))
+        except (ClientEventError, Refusal, BadSetting) as exc:
+            await self._refuse(*refusal(exc))
         except ToolResultError as exc:
             await self._refuse(exc.code, exc.message,
                                "item.output" if exc.code == E_TOOL_RESULT_TOO_LARGE else "item.call_id")
@@ -128,11 +144,7 @@ class RealtimeSession(WireSession):
 
     async def _configure(self, update: dict) -> None:
         """Apply a session object's changes, every one checked first (raises, changing nothing)."""
-        update = S.known(S.from_beta(update) if self.beta else update)
-        clip = ((update.get("audio") or {}).get("output") or {}).pop("voice_clip", None)
-        merged = S.deep_merge(self.session, update)
-        S.check_size(merged)
-        terms = S.apply(merged, self.server_cfg)
+        merged, terms, clip = S.read(update, self.session, self.server_cfg, self.beta)
         agent = await self.core.do(C.Configure(terms.turn_taking, terms.agent, terms.reply_on_turn_end,
                                                R.voice_clip(clip) if clip is not None else None))
         self.session, self.terms = merged, terms

@@ -49,10 +49,17 @@ AUDIO_KEYS = {"input": frozenset({"format", "transcription", "noise_reduction", 
 
 
 def known(update: dict) -> dict:
-    """``update`` without the keys no session has (at the top, and in ``audio.input``/``output``)."""
+    """``update`` without the keys no session has (at the top, and in ``audio.input``/``output``);
+    raises BadSetting where ``audio`` or one of its sides is not an object (or null)."""
     out = {k: v for k, v in update.items() if k in SESSION_KEYS}
     audio = out.get("audio")
+    if "audio" in out and not isinstance(audio, dict):
+        raise BadSetting("session.audio", f"session.audio must be an object, got {type(audio).__name__}")
     if isinstance(audio, dict):
+        for side, value in audio.items():
+            if side in AUDIO_KEYS and value is not None and not isinstance(value, dict):
+                raise BadSetting(f"session.audio.{side}",
+                                 f"session.audio.{side} must be an object, got {type(value).__name__}")
         out["audio"] = {side: ({k: v for k, v in value.items() if k in AUDIO_KEYS[side]}
                                if isinstance(value, dict) else value)
                         for side, value in audio.items() if side in AUDIO_KEYS}
@@ -106,7 +113,8 @@ def from_beta(update: dict) -> dict:
         audio.setdefault("output", {})["voice"] = update["voice"]
     for key, side in (("input_audio_format", "input"), ("output_audio_format", "output")):
         if key in update:
-            audio.setdefault(side, {})["format"] = BETA_FORMATS.get(update[key], update[key])
+            value = update[key]
+            audio.setdefault(side, {})["format"] = BETA_FORMATS.get(value, value) if isinstance(value, str) else value
     if "input_audio_transcription" in update:
         audio.setdefault("input", {})["transcription"] = update["input_audio_transcription"]
     if "turn_detection" in update:
@@ -114,7 +122,10 @@ def from_beta(update: dict) -> dict:
     if "max_response_output_tokens" in update:
         out["max_output_tokens"] = update["max_response_output_tokens"]
     if audio:
-        out["audio"] = deep_merge(out.get("audio") or {}, audio)
+        base = out.get("audio") or {}
+        if not isinstance(base, dict) or not all(isinstance(base.get(side) or {}, dict) for side in audio):
+            raise BadSetting("session.audio", "session.audio and its input and output must be objects")
+        out["audio"] = deep_merge(base, audio)
     return out
 
 
@@ -141,7 +152,7 @@ def initial(session_id: str, model: str, cfg: SessionConfig) -> dict:
 def _format(session: dict, side: str) -> AudioFormat:
     fmt = ((session.get("audio") or {}).get(side) or {}).get("format")
     param = f"session.audio.{side}.format"
-    if not isinstance(fmt, dict) or fmt.get("type") not in FORMATS:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str) or fmt["type"] not in FORMATS:
         raise BadSetting(param, f"{param} must be {{\"type\": \"audio/pcm\", \"rate\": 24000}}, "
                                 f"{{\"type\": \"audio/pcmu\"}} or {{\"type\": \"audio/pcma\"}}, got {fmt!r}")
     found = FORMATS[fmt["type"]]
@@ -189,7 +200,7 @@ def _turn_taking(detection: Any, server: SessionConfig) -> tuple[dict[str, Any],
         changes["eot_max_silence_ms"] = max(changes["vad_min_silence_ms"], server.eot_max_silence_ms)
     else:
         eagerness = detection.get("eagerness") or "auto"
-        if eagerness not in EAGERNESS:
+        if not isinstance(eagerness, str) or eagerness not in EAGERNESS:
             param = "session.audio.input.turn_detection.eagerness"
             raise BadSetting(param, f"{param} must be one of {sorted(EAGERNESS)}, got {eagerness!r}")
         threshold, max_silence = EAGERNESS[eagerness]
@@ -199,6 +210,19 @@ def _turn_taking(detection: Any, server: SessionConfig) -> tuple[dict[str, Any],
                        vad_min_silence_ms=server.vad_min_silence_ms, eot_threshold=threshold,
                        eot_max_silence_ms=max(max_silence, server.vad_min_silence_ms))
     return changes, _flag(detection, "create_response")
+
+
+def read(update: Any, current: dict, server: SessionConfig, beta: bool = False) -> tuple[dict, SessionTerms, Any]:
+    """A ``session.update``'s session (or the one a call is made with) over ``current``: the
+    merged session object, its terms, and the voice clip it sends (None: none, unchecked), every
+    value checked first by type and range; raises BadSetting naming the first bad one."""
+    if not isinstance(update, dict):
+        raise BadSetting("session", f"session must be an object, got {type(update).__name__}")
+    update = known(from_beta(update) if beta else update)
+    clip = ((update.get("audio") or {}).get("output") or {}).pop("voice_clip", None)
+    merged = deep_merge(current, update)
+    check_size(merged)
+    return merged, apply(merged, server), clip
 
 
 def apply(session: dict, server: SessionConfig) -> SessionTerms:
