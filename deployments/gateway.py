@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl
 
 import numpy as np
 import ray
-from fastapi import FastAPI, HTTPException, Request, WebSocket
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from ray import exceptions as ray_errors
@@ -22,6 +22,7 @@ from ray.serve import exceptions as serve_errors
 from ray.serve._private.common import ReplicaState
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 from starlette.websockets import WebSocketDisconnect
 
 from deployments import proxy_limits

@@ -111,19 +111,21 @@ class HeadDeadline:
 
 
 class BodyLimits:
-    """ASGI middleware of the proxy: every HTTP request's body is read whole before the request
-    goes on (to Ray's proxy, then the gateway replica), replayed to it as one message. Refused
-    here, and the connection closed: a body over its route's size (413, as soon as the declared
-    length or the bytes read pass it), one not complete within ``BODY_TIMEOUT_S`` (408), a route
-    at its budget of requests in flight, or an address with ``MAX_BODIES_PER_ADDRESS`` bodies
-    still arriving (503). WebSockets pass untouched (their messages have limits of their own)."""
+    """ASGI middleware of the proxy (``pipeline/bodies.py`` has the routes and their bounds). An
+    anonymous request's body is read whole here before the request goes on (to Ray's proxy, then
+    the gateway replica), replayed to it as one message; one with an ``Authorization`` header to a
+    route that checks it first streams on, under the same bounds. Refused here, and the connection
+    closed: a body over its route's size (413, as soon as the declared length or the bytes read
+    pass it), one not complete within ``BODY_TIMEOUT_S`` (408), an anonymous request to a route at
+    its budget, or any from an address with ``MAX_BODIES_PER_ADDRESS`` bodies still arriving
+    (503). WebSockets pass untouched (their messages have limits of their own)."""
 
     LOG_EVERY_S = 10.0
 
     def __init__(self, app, routes: tuple[Route, ...] = ROUTES):
         self.app = app
         self.routes = routes
-        self.in_flight: Counter[str] = Counter()  # route name -> requests in flight
+        self.in_flight: Counter[str] = Counter()  # route name -> anonymous requests in flight
         self.arriving: Counter[str] = Counter()  # client address -> bodies still arriving
         self.refused: Counter[str] = Counter()  # (logged now and then, not per request)
         self._logged_at = 0.0
@@ -134,26 +136,32 @@ class BodyLimits:
             return
         route = next(r for r in self.routes if r.matches(scope["method"], scope["path"]))
         address = (scope.get("client") or ("",))[0]
-        if self.in_flight[route.name] >= route.max_in_flight or self.arriving[address] >= MAX_BODIES_PER_ADDRESS:
+        headers = dict(scope.get("headers") or ())
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > route.max_bytes):
+            await self._refuse(send, route, 413, "body_too_large", f"this request's body may be at most "
+                               f"{route.max_bytes} bytes")
+            return
+        anonymous = not (route.credentials_first and headers.get(b"authorization"))
+        if (anonymous and self.in_flight[route.name] >= route.max_in_flight) \
+                or self.arriving[address] >= MAX_BODIES_PER_ADDRESS:
             await self._refuse(send, route, 503, "server_busy", "this server has too many requests of this kind in "
                                "flight; try again shortly")
             return
+        if not anonymous:
+            await self._stream(scope, receive, send, route, address)
+            return
         self.in_flight[route.name] += 1
         try:
-            body = await self._body(scope, receive, send, route, address)
+            body = await self._body(receive, send, route, address)
             if body is not None:
                 await self.app(scope, _replay(body, receive), send)
         finally:
             self.in_flight[route.name] -= 1
 
-    async def _body(self, scope, receive, send, route: Route, address: str) -> bytes | None:
+    async def _body(self, receive, send, route: Route, address: str) -> bytes | None:
         """The whole body, or None once the request was refused."""
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > route.max_bytes):
-            await self._refuse(send, route, 413, "body_too_large", f"this request's body may be at most "
-                               f"{route.max_bytes} bytes")
-            return None
-        self.arriving[address] += 1
+        self._arrives(address, 1)
         body = bytearray()
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S):
@@ -163,19 +171,79 @@ class BodyLimits:
                         return None
                     body += message.get("body", b"")
                     if len(body) > route.max_bytes:
-                        await self._refuse(send, route, 413, "body_too_large", f"this request's body may be at "
-                                           f"most {route.max_bytes} bytes")
+                        await self._too_large(send, route)
                         return None
                     if not message.get("more_body", False):
                         return bytes(body)
         except TimeoutError:
-            await self._refuse(send, route, 408, "body_timeout", f"the request's body must arrive within "
-                               f"{BODY_TIMEOUT_S:g} s of its head")
+            await self._too_slow(send, route)
             return None
         finally:
-            self.arriving[address] -= 1
-            if not self.arriving[address]:
-                del self.arriving[address]
+            self._arrives(address, -1)
+
+    async def _stream(self, scope, receive, send, route: Route, address: str) -> None:
+        """The request goes on at once; its body streams through under the route's size and the
+        deadline. Past either, the client is answered here and the app sees a disconnect."""
+        deadline = asyncio.get_running_loop().time() + BODY_TIMEOUT_S
+        state = {"read": 0, "complete": False, "answered": False, "started": False}
+        self._arrives(address, 1)
+
+        def body_done() -> None:
+            if not state["complete"]:
+                state["complete"] = True
+                self._arrives(address, -1)
+
+        async def bounded_receive():
+            if state["answered"]:
+                return {"type": "http.disconnect"}
+            if state["complete"]:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                body_done()
+                if not state["started"]:
+                    state["answered"] = True
+                    await self._too_slow(send, route)
+                return {"type": "http.disconnect"}
+            if message["type"] != "http.request":
+                body_done()
+                return message
+            state["read"] += len(message.get("body", b""))
+            if state["read"] > route.max_bytes:
+                body_done()
+                if not state["started"]:
+                    state["answered"] = True
+                    await self._too_large(send, route)
+                return {"type": "http.disconnect"}
+            if not message.get("more_body", False):
+                body_done()
+            return message
+
+        async def guarded_send(message) -> None:
+            if state["answered"]:
+                return  # we answered already: the app's late words go nowhere
+            state["started"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, guarded_send)
+        finally:
+            body_done()
+
+    def _arrives(self, address: str, change: int) -> None:
+        self.arriving[address] += change
+        if not self.arriving[address]:
+            del self.arriving[address]
+
+    async def _too_large(self, send, route: Route) -> None:
+        await self._refuse(send, route, 413, "body_too_large", f"this request's body may be at most "
+                           f"{route.max_bytes} bytes")
+
+    async def _too_slow(self, send, route: Route) -> None:
+        await self._refuse(send, route, 408, "body_timeout", f"the request's body must arrive within "
+                           f"{BODY_TIMEOUT_S:g} s of its head")
 
     async def _refuse(self, send, route: Route, status: int, code: str, message: str) -> None:
         self.refused[f"{route.name} {status}"] += 1

@@ -2,9 +2,15 @@
 each bound). Ray Serve's HTTP proxy enforces these before a request reaches the gateway replica
 (``deployments/proxy_limits.py``): it reads each body whole, at most the route's ``max_bytes``
 and within ``BODY_TIMEOUT_S`` of the request's head, declared (``Content-Length``) or chunked, and
-holds at most ``max_in_flight`` requests of a route at once (``MAX_BODIES_PER_ADDRESS`` bodies
-still arriving from one address). A slow or oversized body is answered by the proxy (408, 413)
-and never reaches the replica; a route past its budget is answered 503 at once.
+holds at most ``max_in_flight`` anonymous requests of a route at once (``MAX_BODIES_PER_ADDRESS``
+bodies still arriving from one address). A slow or oversized body is answered by the proxy (408,
+413) and never reaches the replica; a route past its budget is answered 503 at once.
+
+A request with an ``Authorization`` header to a route whose handler checks that credential before
+it reads the body (``credentials_first``) is not held back: its body streams through to the
+replica under the same size and deadline, and outside the anonymous budget, so that a flood of
+anonymous slow bodies never costs a token holder its offer. A false credential costs nothing: the
+gateway refuses it (401) before it reads a byte of the body.
 
 The sizes are the smallest real clients need, with room to spare: a browser's SDP offer (audio
 and the data channel) is 2-6 KB, Twilio's webhook form a few hundred bytes, and a Realtime session
@@ -33,7 +39,8 @@ class Route:
     method: str | None  # None: any
     path: re.Pattern | None  # None: any
     max_bytes: int
-    max_in_flight: int
+    max_in_flight: int  # anonymous requests at once
+    credentials_first: bool = True  # the gateway checks a bearer credential before reading the body
 
     def matches(self, method: str, path: str) -> bool:
         return (self.method is None or method == self.method) and (self.path is None or bool(self.path.fullmatch(path)))
@@ -41,7 +48,7 @@ class Route:
 
 ROUTES = (
     # Anonymous by nature: a carrier calls its webhook without our credentials.
-    Route("phone_webhook", "POST", re.compile(r"/v1/phone/[^/]+/voice"), MAX_FORM_BYTES, 32),
+    Route("phone_webhook", "POST", re.compile(r"/v1/phone/[^/]+/voice"), MAX_FORM_BYTES, 32, credentials_first=False),
     # Anonymous where auth is off; an SDP, or multipart with the SDP and a session object.
     Route("webrtc_offer", "POST", re.compile(r"/v1/realtime/calls"),
           MAX_SDP_BYTES + MAX_SESSION_JSON_BYTES + MULTIPART_SLACK, 32),

@@ -188,6 +188,9 @@ def body_server(configured):
         body = b""
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                reached.append("disconnected")
+                return
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
@@ -211,8 +214,10 @@ def body_server(configured):
     sock.close()
 
 
-def _post(path: str, body: bytes = b"", length: int | None = None, chunked: bool = False) -> bytes:
+def _post(path: str, body: bytes = b"", length: int | None = None, chunked: bool = False, token: bool = False) -> bytes:
     head = b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n" % path.encode()
+    if token:
+        head += b"Authorization: Bearer anything\r\n"  # the proxy cannot tell a good one: the gateway does
     if chunked:
         return head + b"Transfer-Encoding: chunked\r\n\r\n" + (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
     return head + b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length) + body
@@ -290,6 +295,35 @@ def test_an_address_with_bodies_still_arriving_is_answered_503_past_its_share(bo
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_request_with_credentials_streams_past_a_full_anonymous_budget_under_the_same_bounds(body_server,
+                                                                                              monkeypatch):
+    """Anonymous slow bodies fill the route's budget; a request carrying a credential is not held
+    back by them (the gateway checks it before reading its body), and its own body still has the
+    route's size and deadline: past them it is answered here, and the app sees a disconnect."""
+    port, reached = body_server
+    timeout_s = 1.0
+    monkeypatch.setattr(proxy_limits, "BODY_TIMEOUT_S", timeout_s)
+    monkeypatch.setattr(proxy_limits, "MAX_BODIES_PER_ADDRESS", 100)
+    held = [_connect(port, _post("/small", length=50) + b"x") for _ in range(SMALL.max_in_flight)]
+    try:
+        with _connect(port, _post("/small", b"y")) as anonymous:
+            assert _status(anonymous) == 503
+        with _connect(port, _post("/small", b"y" * 20, token=True)) as credentialed:
+            assert _status(credentialed) == 200
+        with _connect(port, _post("/small", b"z" * 101, chunked=True, token=True)) as large:
+            assert _status(large) == 413
+        start = time.monotonic()
+        with _connect(port, _post("/small", length=50, token=True) + b"x") as slow:
+            assert _status(slow) == 408 and time.monotonic() - start >= 0.8 * timeout_s
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while len(reached) < 3 and time.monotonic() < deadline:  # the app hears of it after the client does
+        time.sleep(0.01)
+    assert reached == [b"y" * 20, "disconnected", "disconnected"]
 
 
 # --- every interpreter of the environment has the callback variable (deployments/door_env.py) ----

@@ -369,3 +369,51 @@ def test_plain_serve_run_has_the_door_limits_and_drops_half_sent_handshakes(serv
     assert deflate is None
     assert rcvd is not None and rcvd.code == 1009
     assert max(gaps) <= MAX_GAP_S, max(gaps)
+
+
+# ----------------------------------------------------------------------------- the phone and WebRTC doors
+def test_the_phone_and_webrtc_doors_hold_against_anonymous_attacks_beside_a_victim(server):
+    """Auth off (serve_config.yaml as it ships), so the offer itself is anonymous: slow bodies on
+    the phone webhook, carrier streams that never start, offers that would aim the server's ICE
+    checks, endless bodies, sessions of the wrong types and Telnyx starts of the wrong types, all
+    at once beside a v1 conversation (tests/door_attacks.py). Each door holds, /healthz answers
+    throughout, nothing becomes an internal error, and the victim's audio never pauses 500 ms."""
+    from tests import door_attacks as A
+
+    target = A.Target("http")
+    results, gaps, before, after = run(_doors(A, target))
+    _assert_doors_held(A, target, results, gaps, before, after)
+
+
+async def _doors(A, target):
+    counters = [("voice_errors_total", '{code="internal"}'), ("voice_webrtc_candidates_dropped_total",
+                                                              '{reason="not_public"}')]
+    before = [await target.metric(*c) for c in counters]
+    results, gaps = await A.beside_victim(target, [
+        {"slow": A.slow_bodies(target), "silent": A.silent_streams(target)},
+        {"aimed": A.aimed_offers(target), "big": A.big_bodies(target), "sessions": A.bad_sessions(target),
+         "telnyx": A.bad_telnyx_starts(target)}])
+    after = [await target.metric(*c) for c in counters]
+    return results, gaps, before, after
+
+
+def _assert_doors_held(A, target, results, gaps, before, after) -> None:
+    """What tests/e2e_auth/test_door_phone_webrtc.py asserts too, with auth on."""
+    A.assert_slow_bodies_held(results["slow"])
+    A.assert_silent_streams_held(results["silent"])
+    aimed = results["aimed"]
+    assert aimed["1,100"][0] == 413 and aimed["1,100"][1]["error"]["code"] in ("invalid_sdp", "body_too_large")
+    assert (aimed["over the cap"][0], aimed["over the cap"][1]["error"]["code"]) == (400, "too_many_candidates")
+    assert aimed["private and loopback"][0] == 201
+    assert after[1] - before[1] == 10  # its ten candidates were dropped: no check went to them
+    for name, (status, sent) in results["big"].items():  # None: the server reset the connection before its
+        assert status in (413, None) and sent < (8 << 20), (name, status, sent)  # 413 was read (unread body)
+    for name, (offer, offer_body, secret, secret_body) in results["sessions"].items():
+        for status, body in ((offer, offer_body), (secret, secret_body)):
+            assert status == 400 and body["error"]["type"] == "invalid_request_error", (name, status, body)
+            assert body["error"]["param"].startswith("session"), (name, body)
+    for name, (code, reason) in results["telnyx"].items():
+        assert code == 1008 and ("encoding" in reason or "custom_parameters" in reason), (name, code, reason)
+    assert after[0] == before[0]  # no internal error
+    assert target.probes and all(status == 200 and seconds < 2 for seconds, status in target.probes), target.probes
+    assert max(gaps) <= MAX_GAP_S, max(gaps)
