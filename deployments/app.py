@@ -16,10 +16,10 @@ from deployments.stt import STT
 from deployments.tickets import TicketLedger
 from deployments.tts import TTS
 from pipeline import metrics
-from pipeline.auth import AuthConfig, load_tokens
+from pipeline.door.auth import AuthConfig, load_tokens
 from pipeline.llm.config import LLMConfig
-from pipeline.phone_config import read_phone_section
-from pipeline.webrtc_peer import read_webrtc_section
+from pipeline.adapters.phone.config import read_phone_section
+from pipeline.adapters.webrtc.peer import read_webrtc_section
 from pipeline.session_config import read_session_section
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -42,7 +42,7 @@ class AppArgs(BaseModel):
     llm: dict[str, Any] = {}
     tts: dict[str, Any] = {}
     session: dict[str, Any] = {}
-    # Who may connect (pipeline/auth.py, docs/protocol.md "Authentication and limits"). Unset,
+    # Who may connect (pipeline/door/auth.py, docs/protocol.md "Authentication and limits"). Unset,
     # auth is on (mode token) and the server does not start without a token: serving open
     # takes `auth: {mode: none}` written in the config.
     auth: dict[str, Any] = {}

@@ -28,27 +28,27 @@ from starlette.websockets import WebSocketDisconnect
 from deployments import proxy_limits
 from deployments.session_store import RaySnapshots
 from pipeline import metrics
-from pipeline.adapters.phone import serve_call
-from pipeline.adapters.realtime import RealtimeSession
-from pipeline.adapters.v1 import Session
-from pipeline.adapters.webrtc import WebRTCSession
-from pipeline import protocol as P
-from pipeline.admission import Gatekeeper, Handshake, Refused
-from pipeline.auth import TICKET_PARAM, AuthConfig, AuthError, Authenticator, bearer, load_tokens
-from pipeline.client_limits import ClientLimits
-from pipeline.connection import (ClientGone, Resumption, SessionRegistry, refuse_options, serve_connection,
-                                 session_options)
-from pipeline.keeper import Continuity
-from pipeline.phone_config import carrier_secrets, carriers_calls, read_phone_section
-from pipeline.telephony import DIALECTS
-from pipeline.twilio_webhook import TwilioWebhook, WebhookRefused, signed_url, stream_url
-from pipeline.webrtc_peer import OfferRefused, Peer, read_webrtc_section
-from pipeline.adapters.realtime import check_opening_session
-from pipeline.adapters.realtime import refusal as realtime_refusal
-from pipeline.agent import BadSetting
-from pipeline.bodies import MAX_FORM_BYTES, MAX_SDP_BYTES, MAX_SESSION_JSON_BYTES, MULTIPART_SLACK
-from pipeline.realtime.client_events import ClientEventError
-from pipeline.listening import warm_listening
+from pipeline.adapters.phone.adapter import serve_call
+from pipeline.adapters.realtime.adapter import RealtimeSession
+from pipeline.adapters.v1.adapter import Session
+from pipeline.adapters.webrtc.adapter import WebRTCSession
+from pipeline.adapters.v1 import protocol as P
+from pipeline.door.admission import Gatekeeper, Handshake, Refused
+from pipeline.door.auth import TICKET_PARAM, AuthConfig, AuthError, Authenticator, bearer, load_tokens
+from pipeline.door.client_limits import ClientLimits
+from pipeline.adapters.v1.options import refuse_options, session_options
+from pipeline.connection import ClientGone, Resumption, SessionRegistry, serve_connection
+from pipeline.resume.keeper import Continuity
+from pipeline.adapters.phone.config import carrier_secrets, carriers_calls, read_phone_section
+from pipeline.adapters.phone.carriers import DIALECTS
+from pipeline.adapters.phone.twilio_webhook import TwilioWebhook, WebhookRefused, signed_url, stream_url
+from pipeline.adapters.webrtc.peer import OfferRefused, Peer, read_webrtc_section
+from pipeline.adapters.realtime.adapter import check_opening_session
+from pipeline.adapters.realtime.adapter import refusal as realtime_refusal
+from pipeline.conversation.agent import BadSetting
+from pipeline.door.bodies import MAX_FORM_BYTES, MAX_SDP_BYTES, MAX_SESSION_JSON_BYTES, MULTIPART_SLACK
+from pipeline.adapters.realtime.client_events import ClientEventError
+from pipeline.conversation.ears.listening import warm_listening
 from pipeline.audio_constants import USER_RATE
 from pipeline.engines import (Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
                               Voice)
@@ -233,7 +233,7 @@ class BodyRefused(Exception):
 
 async def _body(request: Request, limit: int) -> bytes:
     """The request's body, declared or chunked, read no further than ``limit`` bytes. The proxy's
-    body limits (pipeline/bodies.py) hold every route to its size and time before this runs; this
+    body limits (pipeline/door/bodies.py) hold every route to its size and time before this runs; this
     holds the size where they are not installed."""
     declared = request.headers.get("content-length") or ""
     if declared.isdigit() and int(declared) > limit:
@@ -323,7 +323,7 @@ class Gateway:
         window = self.limits.resume_window_s
         self.continuity = Continuity(RaySnapshots(store), window) if store is not None and window > 0 else None
         self._drain_watch: asyncio.Task | None = None
-        # Who may come in (pipeline/admission.py): tokens are read here, in this process, from
+        # Who may come in (pipeline/door/admission.py): tokens are read here, in this process, from
         # the environment or file the config names; a token mode without tokens fails the start.
         auth_cfg = AuthConfig(**auth)
         self.phone = read_phone_section(phone)
@@ -433,7 +433,7 @@ class Gateway:
             return _refusal_response(refused)
 
     async def _serve_websocket(self, ws: WebSocket, serve, carrier: bool = False) -> None:
-        """Check the handshake before the upgrade (pipeline.admission: refused, it gets an HTTP
+        """Check the handshake before the upgrade (pipeline.door.admission: refused, it gets an HTTP
         error instead), accept it, and hand it to ``serve(handshake, connection)``; the client's
         session place is given back however that ends. A ``carrier``'s stream brings its
         credential inside (a phone call's start: ``_verify_stream``)."""
@@ -542,7 +542,7 @@ class Gateway:
 
     @api.post("/v1/phone/twilio/voice")
     async def twilio_voice(self, request: Request):
-        """Twilio's voice webhook for an incoming call (pipeline/twilio_webhook.py): TwiML that
+        """Twilio's voice webhook for an incoming call (pipeline/adapters/phone/twilio_webhook.py): TwiML that
         connects the call to /v1/phone/twilio with a one-use ticket, for a request Twilio signed."""
         if self.twilio_webhook is None:
             return JSONResponse({"error": {"code": "not_configured", "message": "phone.twilio is not configured, or "

@@ -21,7 +21,7 @@ Ray Serve's proxy runs uvicorn with its defaults, and Serve's ``HTTPOptions`` ex
   already bounds how long any connection waits for its head.
 - **Request bodies** (:class:`BodyLimits`, the ASGI middleware the callback returns): each HTTP
   request's body is read whole here, before the request is passed on to the gateway replica, at
-  most its route's size and within ``BODY_TIMEOUT_S`` of its head (``pipeline/bodies.py``), and
+  most its route's size and within ``BODY_TIMEOUT_S`` of its head (``pipeline/door/bodies.py``), and
   each route holds at most its budget of requests at once. Without it, a body sent a byte at a
   time held one of the replica's ongoing requests for as long as the client liked: 1,050 of them
   to the phone webhook stalled every route of the replica, /healthz included.
@@ -48,8 +48,8 @@ from collections import Counter
 
 from starlette.middleware import Middleware
 
-from pipeline.bodies import BODY_TIMEOUT_S, MAX_BODIES_PER_ADDRESS, ROUTES, Route
-from pipeline.protocol import MAX_WS_MESSAGE_BYTES
+from pipeline.door.bodies import BODY_TIMEOUT_S, MAX_BODIES_PER_ADDRESS, ROUTES, Route
+from pipeline.adapters.v1.protocol import MAX_WS_MESSAGE_BYTES
 
 ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "deployments.proxy_limits.configure"
@@ -111,7 +111,7 @@ class HeadDeadline:
 
 
 class BodyLimits:
-    """ASGI middleware of the proxy (``pipeline/bodies.py`` has the routes and their bounds). An
+    """ASGI middleware of the proxy (``pipeline/door/bodies.py`` has the routes and their bounds). An
     anonymous request's body is read whole here before the request goes on (to Ray's proxy, then
     the gateway replica), replayed to it as one message; one with an ``Authorization`` header to a
     route that checks it first streams on, under the same bounds. Refused here, and the connection

@@ -1,6 +1,6 @@
 """What every model deployment shares: threads from its CPU share, one inference thread,
 load and warm-up on that thread before the replica reports healthy, and (with ``compile: true``)
-a compile cache on disk so that a new replica of a node starts warm (pipeline/compile_cache.py)."""
+a compile cache on disk so that a new replica of a node starts warm (pipeline/runtime/compile_cache.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,9 +10,9 @@ from typing import Any, Callable
 import ray
 
 from pipeline import metrics
-from pipeline.compile_cache import warm_start
-from pipeline.compile_guard import COUNTER
-from pipeline.runtime import InferenceThread, keep_large_allocations, pin_torch_threads, threads_for_cpu_share
+from pipeline.runtime.compile_cache import warm_start
+from pipeline.runtime.compile_guard import COUNTER
+from pipeline.runtime.threads import InferenceThread, keep_large_allocations, pin_torch_threads, threads_for_cpu_share
 
 log = logging.getLogger("ray.serve")
 

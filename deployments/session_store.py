@@ -1,9 +1,9 @@
 """The session store: the snapshots of resumable conversations, shared by every gateway replica.
 
-A conversation's gateway replica puts a snapshot here after each turn (pipeline/keeper.py); a
+A conversation's gateway replica puts a snapshot here after each turn (pipeline/resume/keeper.py); a
 client that lost its connection, or whose replica drained, resumes on whichever replica Ray's proxy
-gives it, which takes the snapshot from here (pipeline/resume.py). One replica, one
-:class:`~pipeline.resume.SnapshotStore` in its memory: each call is a few dictionary operations on
+gives it, which takes the snapshot from here (pipeline/resume/tokens.py). One replica, one
+:class:`~pipeline.resume.tokens.SnapshotStore` in its memory: each call is a few dictionary operations on
 its event loop, and it is bounded (entries, bytes, and the resume window).
 
 Why a Serve deployment: it lives and is health-checked with the app, needs nothing else to run,
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from ray import serve
 
-from pipeline.resume import LocalSnapshots, ResumeRefused, SnapshotStore
+from pipeline.resume.tokens import LocalSnapshots, ResumeRefused, SnapshotStore
 
 
 class RaySnapshots:
-    """The store as a gateway reaches it (``pipeline.resume.Snapshots``) through its handle."""
+    """The store as a gateway reaches it (``pipeline.resume.tokens.Snapshots``) through its handle."""
 
     def __init__(self, handle):
         self.handle = handle

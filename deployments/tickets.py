@@ -1,6 +1,6 @@
 """The ticket ledger: one record of redeemed tickets that every gateway replica shares.
 
-A ticket (pipeline/auth.py) opens one connection. Each gateway replica checks a ticket's signature
+A ticket (pipeline/door/auth.py) opens one connection. Each gateway replica checks a ticket's signature
 and age itself; whether it was used already is asked here, of a single replica, so a ticket cannot
 open one connection on each gateway replica. Records expire with their tickets (at most
 ``auth.ticket_ttl_s``), so the ledger holds at most the tickets redeemed within one lifetime; each
@@ -17,7 +17,7 @@ import time
 
 from ray import serve
 
-from pipeline.auth import LocalRedeemed
+from pipeline.door.auth import LocalRedeemed
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)

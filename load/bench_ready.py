@@ -1,4 +1,4 @@
-"""Time to ready of a ``compile: true`` engine, cold compile cache vs warm (pipeline/compile_cache.py).
+"""Time to ready of a ``compile: true`` engine, cold compile cache vs warm (pipeline/runtime/compile_cache.py).
 
     python -m load.bench_ready                                  # STT and TTS, tiny profile, CPU
     python -m load.bench_ready --engines stt --warm-runs 2
@@ -8,7 +8,7 @@
 Each run is a fresh process (fresh in-memory caches, as a new replica): it builds the engine
 config as ``deployments/app.py`` does for ``profile: tiny`` with ``compile: true`` (plus any
 ``--stt-override`` / ``--tts-override key=value``), then runs ``load_stt`` / ``load_tts``
-(build + warm-up) inside :func:`pipeline.compile_cache.warm_start`, marks the process warm on the
+(build + warm-up) inside :func:`pipeline.runtime.compile_cache.warm_start`, marks the process warm on the
 compile counter and serves one short request. The first run uses an empty cache root (cold); the
 next runs reuse it (warm); a first run without compile (eager, ``--no-eager`` skips it) is the
 floor a warm start approaches. Reported per run: seconds to ready, the cache status from torch's own
@@ -64,8 +64,8 @@ def child(engine: str, root: str, overrides: dict, eager: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from pipeline.compile_cache import warm_start
-    from pipeline.compile_guard import COUNTER
+    from pipeline.runtime.compile_cache import warm_start
+    from pipeline.runtime.compile_guard import COUNTER
     from pipeline.services import load_stt, load_tts
 
     cfg = engine_config(engine, overrides)

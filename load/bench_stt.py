@@ -501,7 +501,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     if not args.glibc_malloc_defaults:
-        from pipeline.runtime import keep_large_allocations
+        from pipeline.runtime.threads import keep_large_allocations
 
         if not keep_large_allocations():
             raise SystemExit("keep_large_allocations() had no effect here (no glibc mallopt); "

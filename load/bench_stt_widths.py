@@ -79,7 +79,7 @@ def time_width(engine, width: int, pcm: np.ndarray, steps: int) -> list[float]:
 def main() -> None:
     args = parse_args()
     from pipeline.audio import formant_speech
-    from pipeline.runtime import pin_torch_threads
+    from pipeline.runtime.threads import pin_torch_threads
 
     pin_torch_threads(args.threads)
     widths = [int(w) for w in args.widths.split(",")]

@@ -86,10 +86,10 @@ def run_calls(engine, n: int, constrained: bool, reference: dict | None = None) 
 
 def result_to_audio(turns: int) -> list[float]:
     """ms from a v1 tool.result to the first audio of the reply that uses it (in-process, tiny)."""
-    from pipeline import protocol as P
+    from pipeline.adapters.v1 import protocol as P
     from pipeline.llm.config import LLMConfig
     from pipeline.services import LocalBackends
-    from pipeline.adapters.v1 import Session
+    from pipeline.adapters.v1.adapter import Session
     from pipeline.session_config import SessionConfig
     from pipeline.stt.config import STTConfig
     from pipeline.tts.config import TTSConfig

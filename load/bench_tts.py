@@ -51,7 +51,7 @@ import torch
 from load.isolated_runs import NOISE_FLOOR, med_range, paired, run_children, write_result
 from pipeline.audio import int16_to_float, resample, speech_like
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
-from pipeline.compile_guard import CompileCounter
+from pipeline.runtime.compile_guard import CompileCounter
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.engine import Segment, TTSEngine
 from pipeline.tts.shape_gate import ShapeGate

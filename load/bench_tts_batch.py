@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from pipeline.runtime import keep_large_allocations, pin_torch_threads
+from pipeline.runtime.threads import keep_large_allocations, pin_torch_threads
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.engine import TTSEngine
 

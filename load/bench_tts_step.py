@@ -29,7 +29,7 @@ import time
 import torch
 
 from load.bench_tts_batch import summary
-from pipeline.runtime import keep_large_allocations, pin_torch_threads
+from pipeline.runtime.threads import keep_large_allocations, pin_torch_threads
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.cuda_graphs import GraphedFunction
 from pipeline.tts.engine import TTSEngine

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import websockets
 
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
 

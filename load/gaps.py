@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from load import speech
+from load.speech import SPOKEN
 from load.client import Conversation, TurnResult, add_token_argument
 from load.processes import ProcessCPU
 from pipeline.audio import float_to_int16, int16_to_float, resample, speech_like
@@ -37,16 +38,6 @@ TYPED = [
     "Why is the sky blue?",
     "Okay.",
     "Please describe the weather in the mountains during a long summer afternoon.",
-]
-SPOKEN = [
-    "Hi there.",
-    "Can you hear me clearly?",
-    "I would like to know how streaming speech recognition works.",
-    "Goodbye for now.",
-    "Let us talk about the history of the printing press and its effect on Europe.",
-    "Yes.",
-    "What is the capital of France?",
-    "Tell me something interesting about octopuses and their eight arms.",
 ]
 
 

@@ -48,7 +48,7 @@ import torch
 
 from load.isolated_runs import med_range, paired, run_children, write_result
 from pipeline.audio_constants import CODEC_FRAME_SAMPLES, REPLY_RATE
-from pipeline.compile_guard import CompileCounter
+from pipeline.runtime.compile_guard import CompileCounter
 from pipeline.tts.mimi import load_mimi
 
 CPU_PATHS = ("eager_raw", "compiled_raw", "fix")

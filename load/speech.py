@@ -95,13 +95,29 @@ def with_pauses(parts: list[str], pause_s: float, speed: int = 160) -> np.ndarra
     return np.concatenate(out)
 
 
+# What the load tools say: load.gaps, load.concurrency and load.cost speak SPOKEN; load.turn_taking
+# the SENTENCES, the PAUSED one (its parts and the pause between them) and the PERSON's cut-in.
+SPOKEN = [
+    "Hi there.",
+    "Can you hear me clearly?",
+    "I would like to know how streaming speech recognition works.",
+    "Goodbye for now.",
+    "Let us talk about the history of the printing press and its effect on Europe.",
+    "Yes.",
+    "What is the capital of France?",
+    "Tell me something interesting about octopuses and their eight arms.",
+]
+SENTENCES = ["Please turn off the lights in the kitchen.", "What is the weather like in London today?",
+             "Tell me a joke about cats.", "I would like to book a flight to Paris on Friday."]
+PAUSED = (["I would like to book a flight to", "Paris on Friday."], 0.5)
+PERSON = "Stop, wait a moment please."
+
+
 def render(root: str) -> int:
     """Every clip the load tools say (load.gaps, load.concurrency, load.cost, load.turn_taking) into
     ``root``, for a machine without espeak-ng. Returns the number of clips."""
-    from load import gaps, turn_taking
-
     os.environ[CLIPS_ENV] = root
-    texts = [*gaps.SPOKEN, *turn_taking.SENTENCES, *turn_taking.PAUSED[0], turn_taking.PERSON]
+    texts = [*SPOKEN, *SENTENCES, *PAUSED[0], PERSON]
     for text in texts:
         spoken(text)
     return len(texts)

@@ -27,15 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from load import speech
+from load.speech import PAUSED, PERSON, SENTENCES
 from load.client import Conversation, add_token_argument
 from load.speakerphone import Speakerphone
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
-SENTENCES = ["Please turn off the lights in the kitchen.", "What is the weather like in London today?",
-             "Tell me a joke about cats.", "I would like to book a flight to Paris on Friday."]
-PAUSED = (["I would like to book a flight to", "Paris on Friday."], 0.5)
-PERSON = "Stop, wait a moment please."
 
 
 def _pct(xs, q):

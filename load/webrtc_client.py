@@ -19,7 +19,7 @@ import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
-from pipeline.webrtc_peer import ClockedAudioTrack
+from pipeline.adapters.webrtc.peer import ClockedAudioTrack
 
 MIC_RATE = 16_000
 FRAME = MIC_RATE // 50  # 20 ms

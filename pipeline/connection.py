@@ -2,8 +2,8 @@
 wire protocol.
 
 The gateway adapts its WebSocket to :class:`Connection` and hands it to :func:`serve_connection`
-with the adapter of the endpoint's protocol (a ``pipeline.adapters.wire.WireSession``: v1's
-``pipeline.adapters.v1.Session``, the Realtime protocol's ``pipeline.adapters.realtime.RealtimeSession``); tests drive the same code with
+with the adapter of the endpoint's protocol (a ``pipeline.wire.WireSession``: v1's
+``pipeline.adapters.v1.adapter.Session``, the Realtime protocol's ``pipeline.adapters.realtime.adapter.RealtimeSession``); tests drive the same code with
 an in-memory connection, so the session limits (``max_sessions``, ``idle_timeout_s``, the
 wall-clock side of ``max_turn_s``) are tested without Ray.
 """
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from pipeline import errors as P
-from pipeline.adapters.wire import CloseConnection, WireSession
+from pipeline.wire import CloseConnection, WireSession
 from pipeline.conversation.observer import Observer
 from pipeline.engines import Backends, ClientGone
-from pipeline.keeper import Continuity, Keeper
-from pipeline.resume import RESUME_PARAM, ResumeRefused, received
+from pipeline.resume.keeper import Continuity, Keeper
+from pipeline.resume.tokens import RESUME_PARAM, ResumeRefused, received
 from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class SessionRegistry:
 
 @dataclass
 class Resumption:
-    """A connection's side of resuming (pipeline/resume.py): the replica's store, who connected
+    """A connection's side of resuming (pipeline/resume/tokens.py): the replica's store, who connected
     (``Authenticator.principal``), and the handshake's query (``?resume=`` and what the client
     received, for a reconnection)."""
 
@@ -199,44 +199,6 @@ async def _refuse(conn: Connection, session_class: type, code: str, message: str
     try:
         await conn.send(session_class.error_frame(code, message))
         await conn.close(close_code, reason)
-    except ClientGone:
-        pass
-
-
-def session_options(cfg: SessionConfig, query: dict[str, str]) -> SessionConfig:
-    """The server's session settings with what a client chose in the WebSocket URL's query
-    (docs/protocol.md, "Session options"); a bad option raises ValueError."""
-    unknown = set(query) - set(CLIENT_OPTIONS)
-    if unknown:
-        raise ValueError(f"unknown session options {sorted(unknown)}; known: {sorted(CLIENT_OPTIONS)}")
-    chosen = {name: CLIENT_OPTIONS[name](name, value) for name, value in query.items()}
-    return dataclasses.replace(cfg, **chosen) if chosen else cfg  # replace() validates the values
-
-
-def _flag(name: str, value: str) -> bool:
-    if value.lower() in ("true", "1"):
-        return True
-    if value.lower() in ("false", "0"):
-        return False
-    raise ValueError(f"session option {name} must be true or false, got {value!r}")
-
-
-# What a client may choose for its own session, and how its query value is read.
-CLIENT_OPTIONS = {
-    "turn_detection": lambda name, value: value,  # "vad" | "manual", validated by SessionConfig
-    "echo_cancellation": _flag,  # a client that cancels echo itself (a browser) may turn the server's off
-    "barge_in": lambda name, value: value,  # "vad" | "words" | "vad+words" | "off", validated by SessionConfig
-    "vad_events": _flag,  # speech.started / speech.stopped wanted or not
-    "resume_false_interruption": _flag,  # a client that handles response.paused / response.resumed
-    "preemptive_generation": _flag,
-}
-
-
-async def refuse_options(conn: Connection, session_class: type[WireSession], message: str) -> None:
-    """A handshake with bad session options: one error, close 1008, nothing set up for it."""
-    try:
-        await conn.send(session_class.error_frame(P.E_BAD_OPTION, message))
-        await conn.close(P.CLOSE_POLICY_VIOLATION, "bad session option")
     except ClientGone:
         pass
 

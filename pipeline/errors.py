@@ -3,8 +3,8 @@
 Each is a stable string a client may branch on (docs/protocol.md "Errors", docs/realtime.md
 "Limits"). The core raises or reports these; an adapter puts them on its wire (v1's ``error``
 message, the Realtime ``error`` event) and adds only the codes of its own framing (v1's in
-pipeline/protocol.py, such as ``bad_msgpack``; the Realtime ones in pipeline/realtime/client_events.py,
-such as ``invalid_json``). The HTTP refusals before a session exists are pipeline/admission.py's.
+pipeline/adapters/v1/protocol.py, such as ``bad_msgpack``; the Realtime ones in pipeline/adapters/realtime/client_events.py,
+such as ``invalid_json``). The HTTP refusals before a session exists are pipeline/door/admission.py's.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ E_NO_FREE_SLOT = "no_free_slot"        # the recogniser is full: this spoken tur
 E_TURN_TOO_LONG = "turn_too_long"      # a spoken turn (or an item's audio) reached max_turn_s
 E_AUDIO_TOO_FAST = "audio_too_fast"    # audio over max_audio_rate x real time, sustained: dropped (told once) or refused
 # What a client asks for
-E_ITEM_TOO_LARGE = "item_too_large"    # an item over MAX_ITEM_CHARS (pipeline/history.py)
+E_ITEM_TOO_LARGE = "item_too_large"    # an item over MAX_ITEM_CHARS (pipeline/conversation/history.py)
 E_RATE_LIMITED = "rate_limited"        # replies asked for over max_replies_per_minute; refused, nothing started
 E_BAD_SETTING = "bad_setting"          # a session.update / response setting is unknown or bad; nothing changes
 E_TOOL_RESULT_TOO_LARGE = "tool_result_too_large"  # a tool's output over 16 KiB; the call stays pending

@@ -37,9 +37,9 @@ from http.server import ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, MetricsHandler, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the gateway
 
-from pipeline.auth import AuthConfig, bearer, load_tokens
+from pipeline.door.auth import AuthConfig, bearer, load_tokens
 from pipeline.conversation.observer import Observer
-from pipeline.private_dir import ensure_private_dir
+from pipeline.runtime.private_dir import ensure_private_dir
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 NODE_METRICS_ENV = "GAPLESS_NODE_METRICS"  # HOST:PORT of this node's scrape target, or "off"
@@ -134,7 +134,7 @@ HANDSHAKES_REFUSED = Counter("voice_handshakes_refused", "Connections and ticket
 
 
 def webrtc_stats(direction: str, jitter_s: float, lost: int) -> None:
-    """One reading of a WebRTC call's RTCP numbers (pipeline/webrtc_peer.py)."""
+    """One reading of a WebRTC call's RTCP numbers (pipeline/adapters/webrtc/peer.py)."""
     WEBRTC_JITTER.labels(direction=direction).observe(jitter_s)
     WEBRTC_PACKETS_LOST.labels(direction=direction).inc(lost)
 
@@ -385,7 +385,7 @@ def _running(pid: int) -> bool:
 
 def prepare_multiproc_dir(path: str) -> None:
     """Empty the shared metrics directory at app start (stale files of dead processes). It must be
-    this user's alone (``pipeline.private_dir``; NotPrivate stops the start, naming the fix)."""
+    this user's alone (``pipeline.runtime.private_dir``; NotPrivate stops the start, naming the fix)."""
     ensure_private_dir(path)
     for name in os.listdir(path):
         if name.endswith(".db"):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import numpy as np
 
 from pipeline import metrics
-from pipeline.runtime import InferenceThread
+from pipeline.runtime.threads import InferenceThread
 from pipeline.audio_constants import USER_RATE
 from pipeline.engines import Backends, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall, UnknownStream, Voice
 from pipeline.llm.tool_calls import ToolCallParser

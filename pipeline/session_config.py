@@ -12,7 +12,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from pipeline.vad import VADSettings
+
+@dataclass(frozen=True)
+class VADSettings:
+    threshold: float = 0.5  # a window at or above this probability is speech
+    min_speech_ms: float = 64  # speech.started once speech has lasted this long
+    min_silence_ms: float = 200  # speech.stopped once silence (p < threshold - 0.15) has lasted this long
+
+    def __post_init__(self) -> None:
+        if not 0 < self.threshold < 1:
+            raise ValueError(f"vad_threshold must be in (0, 1), got {self.threshold!r}")
+        for name in ("min_speech_ms", "min_silence_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"vad_{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def off_threshold(self) -> float:
+        """Hysteresis: speech goes on until the probability falls below this (Silero's own rule)."""
+        return max(0.01, self.threshold - 0.15)
+
 
 TURN_DETECTION = ("vad", "manual")
 BARGE_IN = ("vad", "words", "vad+words", "off")
@@ -36,7 +54,7 @@ class SessionConfig:
     eot_max_silence_ms: float = 1500  # a pause this long ends the turn whatever Smart Turn said
     vad_events: bool = True  # send speech.started / speech.stopped to the client
     # Hands-free: at speech.stopped the LLM starts on the transcript so far while Smart Turn decides;
-    # the reply uses it if the turn ends with that same prompt (pipeline/speculation.py).
+    # the reply uses it if the turn ends with that same prompt (pipeline/conversation/speculation.py).
     preemptive_generation: bool = False
     # The bot's reply, as sent, is cancelled out of the microphone audio the VAD judges (echo.py).
     echo_cancellation: bool = True
@@ -75,7 +93,7 @@ class SessionConfig:
     max_turn_s: float = 60.0
     # Microphone audio faster than max_audio_rate times real time, sustained, is dropped and the
     # client told audio_too_fast (once per episode); audio_burst_s of it may come at once (a
-    # recorded turn sent whole), pipeline/allowance.py.
+    # recorded turn sent whole), pipeline/conversation/allowance.py.
     max_audio_rate: float = 2.0
     audio_burst_s: float = 60.0
     # Replies a client asks for (typed turns, Realtime response.create): at most this many a minute,
@@ -137,10 +155,10 @@ class ReplicaLimits:
     # Sessions per gateway replica; a connection over the cap gets server_busy (close 1013).
     max_sessions: int = 64
     # A v1 session whose connection dropped (or whose gateway replica drained) may be resumed this
-    # long after it was last alive, with the resume token of its session.ready (pipeline/resume.py,
+    # long after it was last alive, with the resume token of its session.ready (pipeline/resume/tokens.py,
     # docs/protocol.md "Resume"); 0: sessions are not resumable.
     resume_window_s: float = 30.0
-    # Per client address (pipeline/client_limits.py), checked before the WebSocket is accepted:
+    # Per client address (pipeline/door/client_limits.py), checked before the WebSocket is accepted:
     # sessions it may hold at once (too_many_sessions, HTTP 429) and handshakes a minute
     # (too_many_handshakes, HTTP 429; ticket requests count too).
     max_sessions_per_client: int = 16

@@ -52,7 +52,7 @@ $pip install -q --no-deps "moshi==0.2.13"
 $pip install -q --no-deps "pipecat-ai==1.14.0"
 .venv/bin/python - <<'PY'
 import moshi.models.loaders, torch, numpy, nemo, ray, transformers  # noqa: F401 - import check
-from pipeline.listening import warm_listening
+from pipeline.conversation.ears.listening import warm_listening
 warm_listening()  # Silero VAD and Smart Turn load with their real weights
 print(f"installed: torch {torch.__version__}, numpy {numpy.__version__}, ray {ray.__version__}, "
       f"nemo {nemo.__version__}, transformers {transformers.__version__}")

@@ -16,8 +16,8 @@ import websockets
 from aiortc import RTCPeerConnection
 
 from load.client import Conversation
-from pipeline import bodies
-from pipeline.webrtc_peer import MAX_CANDIDATES
+from pipeline.door import bodies
+from pipeline.adapters.webrtc.peer import MAX_CANDIDATES
 from tests.e2e.serve_process import PORT
 
 SLOW_BODIES = 120  # more than the webhook's budget (32) and than one address's share (8)

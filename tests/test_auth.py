@@ -1,4 +1,4 @@
-"""Authentication, origins and per-client limits, without Ray (pipeline/auth.py, admission.py,
+"""Authentication, origins and per-client limits, without Ray (pipeline/door/auth.py, admission.py,
 client_limits.py); the same checks through the real server are in tests/e2e_auth."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.admission import Gatekeeper, Handshake, Refused
-from pipeline.auth import AuthConfig, AuthError, Authenticator, bearer, host_allowed, load_tokens, origin_allowed
-from pipeline.client_limits import ClientLimits, LimitExceeded
+from pipeline.door.admission import Gatekeeper, Handshake, Refused
+from pipeline.door.auth import AuthConfig, AuthError, Authenticator, bearer, host_allowed, load_tokens, origin_allowed
+from pipeline.door.client_limits import ClientLimits, LimitExceeded
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "tok-0123456789abcdef-one"

@@ -1,7 +1,7 @@
-"""The review's hardening of pipeline/auth.py (issue 25, item 12): tickets capped at the
+"""The review's hardening of pipeline/door/auth.py (issue 25, item 12): tickets capped at the
 configured lifetime whatever expiry they carry, a redeemed-ticket store replicas can share,
 X-Forwarded-For believed only from configured proxies, guessable tokens refused, a tokens file
-others can read warned about. Every test here fails against pipeline/auth.py before it."""
+others can read warned about. Every test here fails against pipeline/door/auth.py before it."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.datastructures import Headers
 
-from pipeline import auth as A
+from pipeline.door import auth as A
 
 TOKEN = "tok-0123456789abcdef-one"  # tests/test_auth.py's
 STRONG = secrets.token_urlsafe(32)
@@ -144,15 +144,15 @@ def test_a_tokens_file_others_may_read_is_warned_about(tmp_path, caplog):
     f.write_text(f"{STRONG}\n")
     f.chmod(0o644)
     cfg = A.AuthConfig(tokens_env=None, tokens_file=str(f))
-    with caplog.at_level(logging.WARNING, logger="pipeline.auth"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.door.auth"):
         assert A.load_tokens(cfg, {}) == (STRONG,)
-    warned = [r.getMessage() for r in caplog.records if r.name == "pipeline.auth"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "pipeline.door.auth"]
     assert len(warned) == 1 and "644" in warned[0] and "chmod 600" in warned[0] and STRONG not in warned[0]
     caplog.clear()
     f.chmod(0o600)
-    with caplog.at_level(logging.WARNING, logger="pipeline.auth"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.door.auth"):
         A.load_tokens(cfg, {})
-    assert not [r for r in caplog.records if r.name == "pipeline.auth"]
+    assert not [r for r in caplog.records if r.name == "pipeline.door.auth"]
 
 
 # ------------------------------------------------------------------ client address

@@ -1,7 +1,7 @@
 """Clause splitting for the LLM -> TTS handoff."""
 import pytest
 
-from pipeline.clauses import ClauseSplitter
+from pipeline.conversation.clauses import ClauseSplitter
 
 
 def split_stream(text, pieces=None, **kw):

@@ -1,4 +1,4 @@
-"""Replicas that start warm (pipeline/compile_cache.py): a second process with the same key
+"""Replicas that start warm (pipeline/runtime/compile_cache.py): a second process with the same key
 compiles nothing, a different key loads nothing of the first's.
 
 Each run is a fresh Python process (fresh in-memory caches, as a new replica) that compiles one
@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 
 
-from pipeline.compile_cache import ARTIFACTS, CompileCache, cache_root, warm_start
+from pipeline.runtime.compile_cache import ARTIFACTS, CompileCache, cache_root, warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ CHILD = r"""
 import dataclasses, json, os, sys
 import torch
 torch.set_num_threads(1)
-from pipeline.compile_cache import warm_start
+from pipeline.runtime.compile_cache import warm_start
 
 @dataclasses.dataclass
 class Cfg:

@@ -12,13 +12,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from pipeline.agent import BadSetting
+from pipeline.conversation.agent import BadSetting
 from pipeline.audio_constants import USER_RATE
 from pipeline.conversation import Conversation, Refusal
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as E
 from pipeline.engines import ToolCall
-from pipeline.history import Item
+from pipeline.conversation.history import Item
 from pipeline.session_config import SessionConfig
 
 

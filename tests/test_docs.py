@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.auth import AuthConfig
+from pipeline.door.auth import AuthConfig
 from pipeline.llm.config import LLMConfig
-from pipeline.phone_config import CarrierAccount, PhoneConfig
-from pipeline.realtime.settings import SESSION_KEYS
+from pipeline.adapters.phone.config import CarrierAccount, PhoneConfig
+from pipeline.adapters.realtime.settings import SESSION_KEYS
 from pipeline.session_config import LIMIT_NAMES, SETTING_NAMES, ReplicaLimits, SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig

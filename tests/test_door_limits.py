@@ -10,11 +10,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from pipeline.agent import MAX_SCHEMA_DEPTH, MAX_TOOLS_CHARS, AgentSettings, BadSetting
+from pipeline.conversation.agent import MAX_SCHEMA_DEPTH, MAX_TOOLS_CHARS, AgentSettings, BadSetting
 from pipeline.conversation import Conversation, Refusal
-from pipeline.history import MAX_ITEM_CHARS, History, Item
-from pipeline.resume import SnapshotStore, new_token
-from pipeline.adapters.v1 import Session
+from pipeline.conversation.history import MAX_ITEM_CHARS, History, Item
+from pipeline.resume.tokens import SnapshotStore, new_token
+from pipeline.adapters.v1.adapter import Session
 from pipeline.session_config import SessionConfig
 from tests.test_history_bound import FakeBackends, quiet
 
@@ -200,10 +200,10 @@ def test_a_live_session_resumed_on_another_replica_is_closed_there():
     """Resumed on replica two while its connection on replica one is still open: replica one's
     keeper finds the store past its generation at its next look and closes the older connection
     (session_replaced, 4001); the newer goes on."""
-    from pipeline import protocol as P
+    from pipeline.adapters.v1 import protocol as P
     from pipeline.connection import Resumption, SessionRegistry, serve_connection
-    from pipeline.keeper import Continuity
-    from pipeline.resume import LocalSnapshots
+    from pipeline.resume.keeper import Continuity
+    from pipeline.resume.tokens import LocalSnapshots
     from tests.test_session import FakeConnection
 
     cfg = SessionConfig(turn_detection="manual", barge_in="off", vad_events=False, pace_lead_s=None)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from pipeline.conversation import Conversation
-from pipeline.history import History, Item, UnknownItem, item_chars
+from pipeline.conversation.history import History, Item, UnknownItem, item_chars
 from pipeline.llm import LLMConfig, approx_token_count, build_prompt, make_llm
-from pipeline.adapters.realtime import RealtimeSession
+from pipeline.adapters.realtime.adapter import RealtimeSession
 from pipeline.session_config import SessionConfig
 
 LONG = "Tell me more about the history of the harbour and its old lighthouse keepers, please. "  # 87 chars

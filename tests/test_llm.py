@@ -15,7 +15,7 @@ import torch
 from pipeline.engines import Sampling
 from pipeline.llm import LLMConfig, build_prompt, make_llm
 from pipeline.llm.engine import LLMEngine, LLMStream, sample_next
-from pipeline.runtime import InferenceThread
+from pipeline.runtime.threads import InferenceThread
 from pipeline.services import LLMService
 
 torch.set_num_threads(1)
@@ -127,7 +127,7 @@ def test_local_checkpoint_path_loads_like_a_real_model(tmp_path):
     """A non-tiny model goes through AutoModelForCausalLM + load_tokenizer (here a random Qwen2)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipeline.tokenizer import tiny_tokenizer
+    from pipeline.runtime.tokenizer import tiny_tokenizer
 
     tok = tiny_tokenizer()
     torch.manual_seed(0)

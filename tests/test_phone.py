@@ -1,4 +1,4 @@
-"""Phone calls over the conversation core (pipeline/adapters/phone.py), in-process with the tiny
+"""Phone calls over the conversation core (pipeline/adapters/phone/adapter.py), in-process with the tiny
 engines: a test carrier speaks Twilio's (and Telnyx's) exact messages, written here from their
 documentation and cross-checked with Pipecat's TwilioFrameSerializer, not with our own code.
 
@@ -21,11 +21,11 @@ from scipy.signal import resample_poly
 import pytest
 
 from load.phone import Phone
-from pipeline.adapters.phone import serve_call
-from pipeline.call_control import TelnyxCalls, TwilioCalls
+from pipeline.adapters.phone.adapter import serve_call
+from pipeline.adapters.phone.call_control import TelnyxCalls, TwilioCalls
 from pipeline.connection import SessionRegistry
 from pipeline.conversation.observer import Observer
-from pipeline.phone_config import read_phone_section
+from pipeline.adapters.phone.config import read_phone_section
 from pipeline.session_config import SessionConfig
 from tests.fake_carrier_api import FakeCarrierAPI
 from tests.test_session import _fresh, engines  # noqa: F401 - the module's tiny engines (a slow LLM)
@@ -180,7 +180,7 @@ class Errors(Observer):
 
 
 def _calls(provider: str, api: FakeCarrierAPI):
-    """The carrier's official client (through pipeline.call_control) against the local fake."""
+    """The carrier's official client (through pipeline.adapters.phone.call_control) against the local fake."""
     return TwilioCalls("AC0", "token", api.url) if provider == "twilio" else TelnyxCalls("KEY0", api.url + "/v2")
 
 
@@ -359,7 +359,7 @@ def test_the_test_carrier_speaks_twilio_as_pipecat_reads_it_and_we_write_as_pipe
     from pipecat.frames.frames import InputAudioRawFrame, InputDTMFFrame, InterruptionFrame, OutputAudioRawFrame
     from pipecat.serializers.twilio import TwilioFrameSerializer
 
-    from pipeline.telephony import Twilio
+    from pipeline.adapters.phone.carriers import Twilio
 
     async def go():
         ser = TwilioFrameSerializer(STREAM, params=TwilioFrameSerializer.InputParams(auto_hang_up=False,
@@ -584,8 +584,8 @@ def test_a_carrier_message_of_wrong_types_at_any_level_closes_its_stream_with_a_
     every wrong JSON type: reading it raises StreamError (the stream closes 1008 with the reason)
     or passes; nothing else. Among them: Telnyx's media_format.encoding as a list, and a custom
     parameter's name as a list (both closed the stream 1011 before)."""
-    from pipeline.adapters.phone import parse
-    from pipeline.telephony import DIALECTS, StreamError, digit, mark_name, payload
+    from pipeline.adapters.phone.adapter import parse
+    from pipeline.adapters.phone.carriers import DIALECTS, StreamError, digit, mark_name, payload
     from tests.test_realtime import WRONG_TYPES, _paths, _with
 
     readers = {"start": None, "media": payload, "dtmf": digit, "mark": mark_name}

@@ -1,13 +1,17 @@
 """The compile cache and the metrics directory are used only when they are this user's alone
-(pipeline/private_dir.py): a stranger's directory under /tmp is never loaded from."""
+(pipeline/runtime/private_dir.py): a stranger's directory under /tmp is never loaded from."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from pipeline import compile_cache, metrics, private_dir
-from pipeline.private_dir import NotPrivate, ensure_private_dir
+from pipeline import metrics
+
+from pipeline.runtime import compile_cache
+
+from pipeline.runtime import private_dir
+from pipeline.runtime.private_dir import NotPrivate, ensure_private_dir
 
 
 def test_a_missing_directory_is_made_private(tmp_path):

@@ -3,7 +3,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 
 BAD_FRAMES = {
     "text frame": ("hello", P.E_TEXT_FRAME),

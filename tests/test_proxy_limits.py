@@ -20,8 +20,8 @@ import pytest
 import uvicorn
 
 from deployments import door_env, proxy_limits
-from pipeline.bodies import Route
-from pipeline.protocol import MAX_WS_MESSAGE_BYTES
+from pipeline.door.bodies import Route
+from pipeline.adapters.v1.protocol import MAX_WS_MESSAGE_BYTES
 
 MARGIN_S = 3.0  # scheduling slack on a loaded 2-core machine
 PARTIAL_UPGRADE = (b"GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from scipy.signal import resample_poly
 
-from pipeline import protocol as P
-from pipeline.agent import AgentSettings, BadSetting
+from pipeline.adapters.v1 import protocol as P
+from pipeline.conversation.agent import AgentSettings, BadSetting
 from pipeline.engines import Voice
 from pipeline.llm.config import LLMConfig
-from pipeline.adapters.realtime import RealtimeSession
+from pipeline.adapters.realtime.adapter import RealtimeSession
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService
-from pipeline.adapters.v1 import Session
+from pipeline.adapters.v1.adapter import Session
 from pipeline.session_config import SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -288,9 +288,9 @@ def test_a_session_of_wrong_types_at_any_level_is_refused_by_name_never_failing_
     voice clip), each replaced by every wrong JSON type, on both event dialects: checking it raises
     BadSetting or ClientEventError (the error the client gets), or passes; nothing else. The same
     check serves session.update and a call's session (an offer's, a client secret's)."""
-    from pipeline.adapters.realtime import check_opening_session, refusal
-    from pipeline.realtime.client_events import ClientEventError
-    from pipeline.realtime.settings import initial
+    from pipeline.adapters.realtime.adapter import check_opening_session, refusal
+    from pipeline.adapters.realtime.client_events import ClientEventError
+    from pipeline.adapters.realtime.settings import initial
 
     cfg = SessionConfig()
     full = initial("sess_1", "gapless", cfg)

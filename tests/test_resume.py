@@ -1,4 +1,4 @@
-"""Resume after a dropped connection and drain (pipeline/resume.py, keeper.py, connection.py), in
+"""Resume after a dropped connection and drain (pipeline/resume/tokens.py, keeper.py, connection.py), in
 process on the real tiny engines: two registries stand for two gateway replicas sharing one store."""
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import asyncio
 import numpy as np
 import pytest
 
-from pipeline import protocol as P
-from pipeline.auth import AuthConfig, Authenticator
+from pipeline.adapters.v1 import protocol as P
+from pipeline.door.auth import AuthConfig, Authenticator
 from pipeline.connection import Resumption, SessionRegistry, serve_connection
-from pipeline.keeper import Continuity
+from pipeline.resume.keeper import Continuity
 from pipeline.llm.config import LLMConfig
-from pipeline.resume import BAD_TOKEN, EXPIRED, TAKEN, LocalSnapshots, ResumeRefused, Snapshot, SnapshotStore, new_token
+from pipeline.conversation.snapshot import Snapshot
+from pipeline.resume.tokens import BAD_TOKEN, EXPIRED, TAKEN, LocalSnapshots, ResumeRefused, SnapshotStore, new_token
 from pipeline.services import LocalBackends
-from pipeline.adapters.v1 import Session
+from pipeline.adapters.v1.adapter import Session
 from pipeline.session_config import SessionConfig as _SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
@@ -361,7 +362,7 @@ def test_a_draining_replica_closes_realtime_sessions_with_1012(engines):
     draining replica closes them with 1012 all the same."""
     import json
 
-    from pipeline.adapters.realtime import RealtimeSession
+    from pipeline.adapters.realtime.adapter import RealtimeSession
 
     class JsonConnection(FakeConnection):
         async def send(self, frame: str) -> None:

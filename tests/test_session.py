@@ -9,15 +9,15 @@ import time
 import numpy as np
 import pytest
 
-from pipeline import protocol as P
-from pipeline.adapters import v1 as session_module
+from pipeline.adapters.v1 import protocol as P
+from pipeline.adapters.v1 import adapter as session_module
 from pipeline.audio import speech_like
 from pipeline.conversation.observer import Observer
 from pipeline.connection import ClientGone, SessionRegistry, serve_connection
 from pipeline.llm.config import LLMConfig
-from pipeline.runtime import InferenceThread
+from pipeline.runtime.threads import InferenceThread
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService, load_stt
-from pipeline.adapters.v1 import Session
+from pipeline.adapters.v1.adapter import Session
 from pipeline.session_config import ReplicaLimits
 from pipeline.session_config import SessionConfig as _SessionConfig
 from pipeline.stt.config import STTConfig
@@ -127,7 +127,7 @@ def test_spoken_and_typed_turns_in_order(backends):
 
 def _past_first_clause(msgs: list[dict], max_words: int) -> bool:
     """The response.text in ``msgs`` goes on after its first clause (as the session splits it)."""
-    from pipeline.clauses import ClauseSplitter
+    from pipeline.conversation.clauses import ClauseSplitter
 
     text = "".join(m["text"] for m in msgs if m["type"] == "response.text")
     clauses = ClauseSplitter(max_words=max_words).push(text)
@@ -374,7 +374,7 @@ class Counted(Observer):
 
 
 class FakeClock:
-    """Stands in for the ``time`` module inside pipeline.adapters.v1: time moves only when told."""
+    """Stands in for the ``time`` module inside pipeline.adapters.v1.adapter: time moves only when told."""
 
     def __init__(self):
         self.now = 1000.0

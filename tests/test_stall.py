@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.audio_constants import CODEC_FRAME_SAMPLES
-from pipeline.compile_guard import CompileCounter
+from pipeline.runtime.compile_guard import CompileCounter
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.engine import Segment, TTSEngine
 

@@ -294,7 +294,7 @@ def test_warmup_then_serve(tiny):
 
 def test_missing_real_checkpoint_is_a_clear_error(monkeypatch, tmp_path):
     from pipeline.stt.model import load_real_model
-    from pipeline.weights import MissingCheckpointError
+    from pipeline.runtime.weights import MissingCheckpointError
 
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

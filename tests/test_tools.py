@@ -12,18 +12,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import jsonschema
 import pytest
 
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 from pipeline.engines import LLMFinish, Sampling, ToolCall
 from pipeline.llm import make_llm
 from pipeline.llm.config import LLMConfig
 from pipeline.llm.constraint import CallConstraint
 from pipeline.llm.tool_calls import ToolCallParser
-from pipeline.runtime import InferenceThread
+from pipeline.runtime.threads import InferenceThread
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService
 from pipeline.session_config import SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
-from pipeline.adapters.v1 import Session
+from pipeline.adapters.v1.adapter import Session
 from tests.test_session import Recorder
 
 # Four schemas: a nested object, an enum, an array, number ranges.

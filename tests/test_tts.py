@@ -323,7 +323,7 @@ def test_checkpoint_errors_say_what_failed(monkeypatch, tmp_path):
     from huggingface_hub.errors import GatedRepoError
     from transformers import CsmConfig
 
-    from pipeline.weights import CheckpointError, MissingCheckpointError
+    from pipeline.runtime.weights import CheckpointError, MissingCheckpointError
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

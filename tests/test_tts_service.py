@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.runtime import InferenceThread
+from pipeline.runtime.threads import InferenceThread
 from pipeline.services import TTSService
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.engine import TTSEngine

@@ -11,18 +11,18 @@ import pytest
 
 from load import speech
 from load.speakerphone import Speakerphone
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 from pipeline.conversation.observer import Observer
-from pipeline.echo import EchoCanceller
-from pipeline.listening import Listener
+from pipeline.conversation.ears.echo import EchoCanceller
+from pipeline.conversation.ears.listening import Listener
 from pipeline.llm.config import LLMConfig
 from pipeline.services import LocalBackends
-from pipeline.adapters.v1 import Session
+from pipeline.adapters.v1.adapter import Session
 from pipeline.session_config import SessionConfig
-from pipeline.smart_turn import shared_model as smart_turn
+from pipeline.conversation.ears.smart_turn import shared_model as smart_turn
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
-from pipeline.vad import VADSettings, VoiceActivity
+from pipeline.conversation.ears.vad import VADSettings, VoiceActivity
 
 pytestmark = pytest.mark.skipif(not speech.available(), reason="needs espeak-ng (scripts/install.sh --system)")
 
@@ -425,7 +425,7 @@ def test_person_is_heard_at_once_when_there_is_no_echo(bot_reply):
 
 
 def test_session_options_from_the_url_query():
-    from pipeline.connection import session_options
+    from pipeline.adapters.v1.options import session_options
 
     base = SessionConfig()
     assert session_options(base, {}) is base

@@ -1,4 +1,4 @@
-"""Twilio's voice webhook (pipeline/twilio_webhook.py), in-process: signatures are made here as
+"""Twilio's voice webhook (pipeline/adapters/phone/twilio_webhook.py), in-process: signatures are made here as
 Twilio's documentation says (HMAC-SHA1 of the URL and the sorted form, base64), not with the
 library the server checks them with."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from pipeline.auth import AuthConfig, AuthError, Authenticator, LocalRedeemed
-from pipeline.twilio_webhook import TwilioWebhook, WebhookRefused, signed_url, stream_url
+from pipeline.door.auth import AuthConfig, AuthError, Authenticator, LocalRedeemed
+from pipeline.adapters.phone.twilio_webhook import TwilioWebhook, WebhookRefused, signed_url, stream_url
 
 TOKEN = "twilio-auth-token-0123456789abcdef"
 URL = "https://voice.example.com/v1/phone/twilio/voice?agent=support"

@@ -1,4 +1,4 @@
-"""WebRTC calls in-process (pipeline/webrtc_peer.py, pipeline/adapters/webrtc.py): a real aiortc
+"""WebRTC calls in-process (pipeline/adapters/webrtc/peer.py, pipeline/adapters/webrtc/adapter.py): a real aiortc
 peer pair on loopback, the server's session over scripted engines (tests/test_conversation.py),
 so what the reply says, clause by clause, is known. (Against `serve run`: tests/e2e/test_webrtc.py.)"""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from aiortc import RTCPeerConnection
 
 from load.webrtc_client import RtcCall
-from pipeline import webrtc_peer
-from pipeline.adapters.webrtc import WebRTCSession
+from pipeline.adapters.webrtc import peer as webrtc_peer
+from pipeline.adapters.webrtc.adapter import WebRTCSession
 from pipeline.connection import SessionRegistry, serve_connection
 from pipeline.audio_constants import REPLY_RATE
 from pipeline.session_config import SessionConfig

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.history import Item
+from pipeline.conversation.history import Item
 
 
 @dataclass(frozen=True)

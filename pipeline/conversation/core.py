@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pipeline.agent import DEFAULT_VOICE
-from pipeline.allowance import Allowance
+from pipeline.conversation.agent import DEFAULT_VOICE
+from pipeline.conversation.allowance import Allowance
 from pipeline.audio_constants import REPLY_RATE
 from pipeline.conversation import commands as C
 from pipeline.conversation.events import Emit, TranscriptDelta, TurnEnded
@@ -36,10 +36,10 @@ from pipeline.conversation.turns import Heard, Pause, SpeakingOn, SpeechOver, Tu
 from pipeline.conversation.voice_context import VoiceContext
 from pipeline.engines import Backends
 from pipeline.errors import E_ACTIVE_RESPONSE, E_CANCEL_NOT_ACTIVE, E_RATE_LIMITED
-from pipeline.history import History, Item, new_id
-from pipeline.resume import Snapshot
+from pipeline.conversation.history import History, Item, new_id
+from pipeline.conversation.snapshot import Snapshot
 from pipeline.session_config import SessionConfig
-from pipeline.speculation import CANCELLED, MISS, Speculator
+from pipeline.conversation.speculation import CANCELLED, MISS, Speculator
 
 
 class Conversation:
@@ -264,7 +264,7 @@ class Conversation:
         return self._last_activity_at + self.shared.cfg.idle_timeout_s
 
     def snapshot(self, in_flight=None) -> Snapshot:
-        """What a resumed conversation starts from (pipeline/resume.py); ``in_flight``: the reply
+        """What a resumed conversation starts from (pipeline/resume/tokens.py); ``in_flight``: the reply
         being sent when the connection ended (``replies.in_flight``)."""
         s = self.shared
         return Snapshot(s.id, s.turn, list(s.history.items), s.agent, list(s.context.segments), in_flight,

@@ -12,7 +12,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from pipeline.engines import ToolCall
-from pipeline.history import Item
+from pipeline.conversation.history import Item
 from pipeline.conversation.reply import Reply
 
 

@@ -13,7 +13,7 @@ from pipeline.conversation.replies import Replies
 from pipeline.conversation.shared import Shared
 from pipeline.conversation.turns import TurnTaker
 from pipeline.errors import E_AUDIO_TOO_FAST, E_INVALID_VALUE, E_ITEM_NOT_FOUND, E_ITEM_TOO_LARGE, E_TURN_TOO_LONG
-from pipeline.history import MAX_ITEM_CHARS, Item, UnknownItem, item_chars
+from pipeline.conversation.history import MAX_ITEM_CHARS, Item, UnknownItem, item_chars
 
 
 class Items:

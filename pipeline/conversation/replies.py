@@ -20,11 +20,11 @@ from pipeline.conversation.events import (ReplyAudio, ReplyDone, ReplyPaused, Re
 from pipeline.conversation.shared import Shared
 from pipeline.conversation.tools import ToolFlow
 from pipeline.engines import BOT_SPEAKER, Segment, ToolCall, Voice
-from pipeline.history import Item
-from pipeline.listening import Listener
+from pipeline.conversation.history import Item
+from pipeline.conversation.ears.listening import Listener
 from pipeline.conversation.reply import CANCELLED, Reply
-from pipeline.resume import InFlight
-from pipeline.speculation import CANCELLED as SPECULATION_CANCELLED, Speculator
+from pipeline.conversation.snapshot import InFlight
+from pipeline.conversation.speculation import CANCELLED as SPECULATION_CANCELLED, Speculator
 
 
 def says_something(text: str, backchannel_words: tuple[str, ...]) -> bool:

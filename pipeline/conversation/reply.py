@@ -16,14 +16,14 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from pipeline.agent import AgentSettings
+from pipeline.conversation.agent import AgentSettings
 from pipeline.audio_constants import REPLY_RATE
-from pipeline.clauses import ClauseSplitter
+from pipeline.conversation.clauses import ClauseSplitter
 from pipeline.conversation.observer import Observer
 from pipeline.engines import (BOT_SPEAKER, Backends, ClientGone, EngineBusy, EngineUnavailable, LLMFinish, Segment,
                               ToolCall, Voice, bounded_stream)
 from pipeline.errors import E_ENGINE_UNAVAILABLE, E_INTERNAL, E_SERVER_BUSY
-from pipeline.history import new_id
+from pipeline.conversation.history import new_id
 from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Reply:
         self.settings = settings  # the session's settings with this reply's overrides, at its start
         self.overrides = overrides or {}  # the settings this reply chose for itself
         self.script = script  # a fixed text to speak instead of the LLM's (a tool call's filler or timeout)
-        self.llm = llm  # an LLM stream already started on ``messages`` (pipeline/speculation.py), if any
+        self.llm = llm  # an LLM stream already started on ``messages`` (pipeline/conversation/speculation.py), if any
         self.record = record  # what it says joins the history (a filler does not)
         self.calls: list[ToolCall] = []  # the tool calls the LLM made (the first one ends the speaking)
         self.ended_at = ended_at  # when the user's turn ended (voice-to-voice is counted from it)

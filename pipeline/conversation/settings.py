@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pipeline.agent import MAX_VOICE_CLIP_S, MAX_VOICE_CLIP_TEXT, AgentSettings, BadSetting
+from pipeline.conversation.agent import MAX_VOICE_CLIP_S, MAX_VOICE_CLIP_TEXT, AgentSettings, BadSetting
 from pipeline.audio_constants import REPLY_RATE
 from pipeline.conversation import commands as C
 from pipeline.conversation.refusal import Refusal

@@ -6,12 +6,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipeline.agent import AgentSettings
+from pipeline.conversation.agent import AgentSettings
 from pipeline.conversation.events import Emit, Error
 from pipeline.conversation.observer import Observer
 from pipeline.conversation.voice_context import VoiceContext
 from pipeline.engines import Backends
-from pipeline.history import History
+from pipeline.conversation.history import History
 from pipeline.session_config import SessionConfig
 
 
@@ -29,7 +29,7 @@ class Shared:
     agent: AgentSettings = field(default_factory=AgentSettings)
     turn: int = 0  # number of the last user turn that ended
     reply_on_turn_end: bool = True  # a turn the server ended gets its reply (Realtime: create_response)
-    # Set whenever what a resumed conversation would start from changed (pipeline/keeper.py)
+    # Set whenever what a resumed conversation would start from changed (pipeline/resume/keeper.py)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def error(self, code: str, message: str) -> None:

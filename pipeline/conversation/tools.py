@@ -1,17 +1,17 @@
 """Tool calls in a conversation: the LLM asks, the client runs them and answers, and what follows
 once they settle (a reply that uses the results, nothing, or a reply that says they timed out).
 
-:class:`ToolFlow` keeps the calls (``pipeline/calls.py``) and their history items, and says what
+:class:`ToolFlow` keeps the calls (``pipeline/conversation/calls.py``) and their history items, and says what
 is due; the replies act on it. While results are awaited the turn's response stays open.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.calls import CANCELLED, TIMED_OUT, PendingCall, ToolCalls
+from pipeline.conversation.calls import CANCELLED, TIMED_OUT, PendingCall, ToolCalls
 from pipeline.conversation.shared import Shared
 from pipeline.engines import ToolCall
-from pipeline.history import Item
+from pipeline.conversation.history import Item
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Turn-taking: when the user speaks, and when their turn is over.
 
 A :class:`TurnTaker` owns a conversation's ears (echo cancellation and VAD), its recogniser slot
-(``pipeline/hearing.py``), Smart Turn and the audio allowance. It hears each microphone frame and
+(``pipeline/conversation/ears/hearing.py``), Smart Turn and the audio allowance. It hears each microphone frame and
 yields what it decided, in order: speech long enough to barge in, words heard, a pause, a turn
 over. It knows nothing of replies: the conversation acts on each decision before the next is made
 (a turn the frame ended is concluded before the rest of the frame opens the next one).
@@ -13,15 +13,15 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
-from pipeline.allowance import Allowance
+from pipeline.conversation.allowance import Allowance
 from pipeline.audio_constants import USER_RATE
 from pipeline.conversation.events import Emit, SpeechStarted, SpeechStopped
 from pipeline.engines import Backends, EngineUnavailable
 from pipeline.errors import E_AUDIO_TOO_FAST, E_ENGINE_UNAVAILABLE, E_TURN_TOO_LONG
-from pipeline.hearing import Recogniser, UserTurn
-from pipeline.listening import Listener
+from pipeline.conversation.ears.hearing import Recogniser, UserTurn
+from pipeline.conversation.ears.listening import Listener
 from pipeline.session_config import SessionConfig
-from pipeline.vad import VADEvent
+from pipeline.conversation.ears.vad import VADEvent
 
 SERVER_ENDS = ("smart_turn", "silence", "endpoint", "max_turn")  # what ends a turn hands-free
 
@@ -96,7 +96,7 @@ class TurnTaker:
         if self.ears is not None:
             self.ears.vad.settings = cfg.vad_settings
         if self.smart_turn is None and cfg.turn_detection == "vad" and cfg.eot_threshold > 0:
-            from pipeline.smart_turn import shared_model
+            from pipeline.conversation.ears.smart_turn import shared_model
 
             self.smart_turn = shared_model()
 

@@ -19,7 +19,7 @@ import numpy as np
 
 
 # Tighter than llguidance's defaults (250,000 lexer states, 500,000 grammar symbols, 1,000,000 of
-# initial lexer fuel): a session's tools (at most 32,000 characters, pipeline/agent.py) compile far
+# initial lexer fuel): a session's tools (at most 32,000 characters, pipeline/conversation/agent.py) compile far
 # within these, and a grammar past them fails in milliseconds instead of holding the LLM's thread.
 LIMITS = llguidance.LLParserLimits(max_lexer_states=20_000, max_grammar_size=50_000, initial_lexer_fuel=200_000,
                                    step_lexer_fuel=100_000, step_max_items=20_000)

@@ -263,15 +263,15 @@ class LLMEngine:
         self.device = torch.device(_resolve_device(cfg.device))
         self.dtype = _resolve_dtype(cfg.dtype, self.device.type)
         if cfg.profile in ("tiny", "full"):  # random weights built in code (full: at the real shape)
-            from pipeline.tokenizer import tiny_tokenizer
+            from pipeline.runtime.tokenizer import tiny_tokenizer
 
             self.tokenizer = tiny_tokenizer()
             model = build_tiny_model(cfg, self.tokenizer)
         else:
             from transformers import AutoModelForCausalLM
 
-            from pipeline.tokenizer import load_tokenizer
-            from pipeline.weights import require_pretrained
+            from pipeline.runtime.tokenizer import load_tokenizer
+            from pipeline.runtime.weights import require_pretrained
 
             path = require_pretrained(
                 cfg.model,

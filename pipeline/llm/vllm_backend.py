@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from pipeline.engines import Sampling
 from pipeline.llm.config import LLMConfig
 from pipeline.llm.engine import build_prompt
-from pipeline.weights import require_pretrained
+from pipeline.runtime.weights import require_pretrained
 
 
 class VLLMEngine:

@@ -124,7 +124,7 @@ def load_real_model(name_or_path: str, device: str = "cpu"):
 
     path = name_or_path
     if not (os.path.isfile(path) and path.endswith(".nemo")):
-        from pipeline.weights import require_pretrained
+        from pipeline.runtime.weights import require_pretrained
 
         local = require_pretrained(name_or_path, what="STT", allow_patterns=["*.nemo"])
         if os.path.isdir(local):
@@ -132,7 +132,7 @@ def load_real_model(name_or_path: str, device: str = "cpu"):
                 os.path.join(root, f) for root, _, files in os.walk(local) for f in files if f.endswith(".nemo")
             )
             if not found:
-                from pipeline.weights import MissingCheckpointError
+                from pipeline.runtime.weights import MissingCheckpointError
 
                 raise MissingCheckpointError(f"STT checkpoint {name_or_path!r}: no .nemo file under {local}")
             local = found[0]

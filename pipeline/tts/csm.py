@@ -382,7 +382,7 @@ def load_csm(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     from safetensors.torch import load_file
     from transformers import CsmConfig
 
-    from pipeline.weights import reading_checkpoint, require_pretrained
+    from pipeline.runtime.weights import reading_checkpoint, require_pretrained
 
     path = require_pretrained(path_or_id, what="CSM-1B", allow_patterns=["*.json", "*.safetensors"])
     with reading_checkpoint("CSM-1B", path_or_id, path):

@@ -192,14 +192,14 @@ class TTSEngine:
         cfg = self.cfg
         dtype = getattr(torch, cfg.dtype)
         if cfg.profile == "tiny":
-            from pipeline.tokenizer import tiny_tokenizer
+            from pipeline.runtime.tokenizer import tiny_tokenizer
 
             self.tokenizer = tiny_tokenizer()
             return CSM(tiny_arch(len(self.tokenizer))).init_random(cfg.seed).to(device=self.device, dtype=dtype)
         if cfg.profile == "full":  # CSM-1B's architecture with random weights (benchmarks, no download)
             from transformers import CsmConfig
 
-            from pipeline.tokenizer import tiny_tokenizer
+            from pipeline.runtime.tokenizer import tiny_tokenizer
             from pipeline.tts.csm import arch_from_hf_config
 
             self.tokenizer = tiny_tokenizer()
@@ -207,7 +207,7 @@ class TTSEngine:
                 csm = CSM(arch_from_hf_config(CsmConfig())).init_random(cfg.seed)
             return csm.to(dtype=dtype)
         if cfg.profile == "real":
-            from pipeline.tokenizer import load_tokenizer
+            from pipeline.runtime.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.csm)
             return load_csm(cfg.csm, device=cfg.device, dtype=dtype)

@@ -51,7 +51,7 @@ def load_mimi(profile: str, name_or_path: str = "kyutai/moshiko-pytorch-bf16", d
     else:
         import os
 
-        from pipeline.weights import reading_checkpoint, require_pretrained
+        from pipeline.runtime.weights import reading_checkpoint, require_pretrained
 
         path = require_pretrained(name_or_path, what="Mimi", allow_patterns=[MIMI_FILE])
         if os.path.isdir(path):

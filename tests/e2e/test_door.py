@@ -17,10 +17,10 @@ import pytest
 import websockets
 
 from load.client import Conversation
-from pipeline import protocol as P
-from pipeline.agent import MAX_SCHEMA_DEPTH, MAX_TOOLS_CHARS
-from pipeline.history import MAX_ITEM_CHARS
-from pipeline.realtime.settings import MAX_SESSION_CHARS
+from pipeline.adapters.v1 import protocol as P
+from pipeline.conversation.agent import MAX_SCHEMA_DEPTH, MAX_TOOLS_CHARS
+from pipeline.conversation.history import MAX_ITEM_CHARS
+from pipeline.adapters.realtime.settings import MAX_SESSION_CHARS
 from tests.e2e.serve_process import PORT, REALTIME_URL, URL
 
 pytestmark = pytest.mark.timeout(600)

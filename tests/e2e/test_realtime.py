@@ -18,7 +18,7 @@ import websockets
 from load import speech
 from load.realtime_client import RealtimeConversation
 from pipeline.audio import float_to_int16, int16_to_float, resample
-from pipeline.realtime.client_events import MAX_APPEND_CHARS
+from pipeline.adapters.realtime.client_events import MAX_APPEND_CHARS
 from tests.e2e.serve_process import PORT, REALTIME_URL
 
 pytestmark = [pytest.mark.timeout(600),

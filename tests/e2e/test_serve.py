@@ -17,7 +17,7 @@ import yaml
 
 from load import speech
 from load.client import Conversation, TurnResult
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 from pipeline.audio import speech_like
 from tests.e2e.serve_process import HANDS_FREE_URL, PORT, ROOT, URL, healthz
 

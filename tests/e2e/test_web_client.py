@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from load import browser, speech
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 from tests.e2e.serve_process import PORT, ROOT
 
 BASE = f"http://127.0.0.1:{PORT}"

@@ -13,7 +13,7 @@ import websockets
 
 from load import browser
 from load.client import Conversation
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 from tests.e2e.serve_process import PORT
 from tests.e2e_auth.conftest import HANDSHAKES_PER_MINUTE, MAX_SESSIONS_PER_CLIENT
 

@@ -27,7 +27,7 @@ import yaml
 
 from load import browser
 from load.client import Conversation
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 from tests.e2e.serve_process import PORT, ROOT, URL, ServeProcess
 
 TICKETS = 8

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from load.client import Conversation, TurnResult
-from pipeline import protocol as P
+from pipeline.adapters.v1 import protocol as P
 from pipeline.audio import speech_like
 from tests.e2e.serve_process import URL, healthz
 from tests.e2e.test_serve import check_audio, check_served_in_full, check_turn_order

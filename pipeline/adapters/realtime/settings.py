@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.agent import BadSetting
-from pipeline.audio_formats import FORMATS, AudioFormat
+from pipeline.conversation.agent import BadSetting
+from pipeline.adapters.audio_formats import FORMATS, AudioFormat
 from pipeline.session_config import SessionConfig
 
 # semantic_vad's eagerness -> (Smart Turn threshold, longest pause it may leave a turn open, ms)

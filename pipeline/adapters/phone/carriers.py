@@ -5,7 +5,7 @@ streaming. Both are JSON text frames over a WebSocket the carrier opens: ``conne
 before it has played) and ``stop``; we send ``media``, ``mark`` and ``clear`` (drop what is queued).
 
 A :class:`Dialect` is one carrier's names and shapes; nothing here holds state or a rule of the
-conversation (``pipeline/adapters/phone.py`` does the translating). Anything malformed raises
+conversation (``pipeline/adapters/phone/adapter.py`` does the translating). Anything malformed raises
 :class:`StreamError`, which closes the stream with its reason.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import base64
 import binascii
 from dataclasses import dataclass, field
 
-from pipeline.audio_formats import PCMA, PCMU, AudioFormat
+from pipeline.adapters.audio_formats import PCMA, PCMU, AudioFormat
 
 FRAME_BYTES = 160  # one 20 ms G.711 frame at 8 kHz: what carriers send, and what we send back
 MAX_PAYLOAD_CHARS = 16 * 1024  # base64 of one media message (~1 s of G.711; carriers send 20 ms)

@@ -8,7 +8,7 @@ import asyncio
 from typing import Awaitable, Callable
 
 from pipeline.conversation.core import Conversation
-from pipeline.resume import InFlight
+from pipeline.conversation.snapshot import InFlight
 from pipeline.session_config import SessionConfig
 
 
@@ -23,7 +23,7 @@ class CloseConnection(Exception):
 
 class WireSession:
     core: Conversation
-    resumable = False  # whether its wire lets a dropped connection resume (pipeline/keeper.py)
+    resumable = False  # whether its wire lets a dropped connection resume (pipeline/resume/keeper.py)
     leaving: asyncio.Event  # set to make the connection end the session between frames
     replaced_by_resume = False
     resume_fields: dict | None = None  # what the greeting says of resuming (set by the keeper)

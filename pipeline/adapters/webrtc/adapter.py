@@ -1,4 +1,4 @@
-"""The OpenAI Realtime protocol over a WebRTC call (``pipeline/webrtc_peer.py``): the same client
+"""The OpenAI Realtime protocol over a WebRTC call (``pipeline/adapters/webrtc/peer.py``): the same client
 and server events, on the ``oai-events`` data channel, onto the same conversation core as the
 WebSocket adapter, of which this is a subclass. What differs is the audio:
 
@@ -17,12 +17,12 @@ WebSocket adapter, of which this is a subclass. What differs is the audio:
 """
 from __future__ import annotations
 
-from pipeline.adapters.realtime import RealtimeSession
+from pipeline.adapters.realtime.adapter import RealtimeSession
 from pipeline.audio_constants import REPLY_RATE
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as CE
 from pipeline.conversation.reply import COMPLETED
-from pipeline.webrtc_peer import MicAudio, Peer
+from pipeline.adapters.webrtc.peer import MicAudio, Peer
 
 JITTER_BUFFER_MS = 40.0  # what a browser's receiver holds before it plays (Chrome's NetEq: 20-80 ms)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from pipeline.weights import require_pretrained
+from pipeline.runtime.weights import require_pretrained
 
 _CORPUS = """
 Hello, how are you today? I am fine, thank you. What can I do for you?

@@ -35,7 +35,7 @@ warning and the engine compiles as it would without one.
 
 Root: ``$GAPLESS_COMPILE_CACHE`` or ``/tmp/gapless-compile-cache``; ``GAPLESS_COMPILE_CACHE=off``
 turns the cache off (inductor then uses its own default directory). The root must be this user's
-alone (``pipeline.private_dir``): artifacts are unpickled and kernels loaded from it, so a root
+alone (``pipeline.runtime.private_dir``): artifacts are unpickled and kernels loaded from it, so a root
 another user owns or may write is not used at all (a warning, and the engine compiles).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from pipeline.private_dir import NotPrivate, ensure_private_dir
+from pipeline.runtime.private_dir import NotPrivate, ensure_private_dir
 
 log = logging.getLogger(__name__)
 

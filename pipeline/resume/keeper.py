@@ -16,7 +16,8 @@ import logging
 from dataclasses import dataclass
 
 from pipeline.engines import bounded
-from pipeline.resume import ResumeRefused, Snapshot, Snapshots, new_token
+from pipeline.conversation.snapshot import Snapshot
+from pipeline.resume.tokens import ResumeRefused, Snapshots, new_token
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 2.0

@@ -1,8 +1,8 @@
 """The OpenAI Realtime protocol (GA events, JSON text frames) onto one conversation core.
 
-:class:`RealtimeSession` reads each client event (``pipeline/realtime/client_events.py``) into a
+:class:`RealtimeSession` reads each client event (``pipeline/adapters/realtime/client_events.py``) into a
 command for its :class:`~pipeline.conversation.core.Conversation`, and writes each event of the
-core as the server events that say it (``pipeline/realtime/events.py``). It keeps what only this
+core as the server events that say it (``pipeline/adapters/realtime/events.py``). It keeps what only this
 wire has: the session object a client reads back, the audio formats, and each reply's encoder.
 docs/realtime.md lists every event, and where this server differs from OpenAI's. Every client
 event that cannot be served gets one ``error`` event naming its ``event_id``.
@@ -17,11 +17,11 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from pipeline.adapters.wire import WireSession
-from pipeline.agent import DEFAULT_VOICE, AgentSettings, BadSetting
+from pipeline.wire import WireSession
+from pipeline.conversation.agent import DEFAULT_VOICE, AgentSettings, BadSetting
 from pipeline.audio_constants import CODEC_FRAME_S, USER_RATE
-from pipeline.audio_formats import Decoder, Encoder
-from pipeline.calls import ToolResultError
+from pipeline.adapters.audio_formats import Decoder, Encoder
+from pipeline.conversation.calls import ToolResultError
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as CE
 from pipeline.conversation.core import Conversation, Refusal
@@ -29,11 +29,11 @@ from pipeline.conversation.observer import Observer
 from pipeline.conversation.reply import COMPLETED
 from pipeline.engines import Backends, EngineUnavailable
 from pipeline.errors import CLIENT_CAUSED, E_ENGINE_UNAVAILABLE, E_TOOL_RESULT_TOO_LARGE
-from pipeline.history import new_id
-from pipeline.realtime import client_events as R
-from pipeline.realtime import events as E
-from pipeline.realtime import settings as S
-from pipeline.realtime.client_events import ClientEventError
+from pipeline.conversation.history import new_id
+from pipeline.adapters.realtime import client_events as R
+from pipeline.adapters.realtime import events as E
+from pipeline.adapters.realtime import settings as S
+from pipeline.adapters.realtime.client_events import ClientEventError
 from pipeline.session_config import SessionConfig
 
 PIECE = USER_RATE  # samples handed to the core at a time (1 s, as v1's frames)

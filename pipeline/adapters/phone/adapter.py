@@ -13,10 +13,10 @@ caller's phone has played the audio before it, and the echo becomes ``Played``, 
 a barge-in keeps in the history exactly what the caller heard. A cut reply's queued audio is
 dropped at the carrier with ``clear``. ``stop`` (the call ended) closes the session.
 
-Who answers is the call's agent (``pipeline/phone_config.py``): named by the start parameter
+Who answers is the call's agent (``pipeline/adapters/phone/config.py``): named by the start parameter
 ``agent`` (else the configured default), with ``instructions`` and ``voice`` parameters over it.
 Its built-in call tools run here, between frames: ``end_call`` and ``transfer_call`` act through
-the carrier's REST API (``pipeline/call_control.py``) once the reply has played (its last mark
+the carrier's REST API (``pipeline/adapters/phone/call_control.py``) once the reply has played (its last mark
 echoed); ``collect_digits`` takes keys as its result where the agent says ``dtmf: tool``.
 """
 from __future__ import annotations
@@ -31,24 +31,24 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from pipeline.adapters.wire import CloseConnection, WireSession
-from pipeline.agent import DEFAULT_VOICE, BadSetting
+from pipeline.wire import CloseConnection, WireSession
+from pipeline.conversation.agent import DEFAULT_VOICE, BadSetting
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
-from pipeline.audio_formats import Decoder, Encoder
+from pipeline.adapters.audio_formats import Decoder, Encoder
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as E
 from pipeline.conversation.core import Conversation, Refusal
 from pipeline.conversation.observer import Observer
 from pipeline.conversation.reply import CANCELLED
 from pipeline.engines import Backends
-from pipeline.admission import E_UNAUTHORIZED, Refused
-from pipeline.adapters.call_tools import CallTools
-from pipeline.call_control import CallControl
+from pipeline.door.admission import E_UNAUTHORIZED, Refused
+from pipeline.adapters.phone.call_tools import CallTools
+from pipeline.adapters.phone.call_control import CallControl
 from pipeline.connection import Connection, SessionRegistry, serve_connection
 from pipeline.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER
-from pipeline.phone_config import PhoneConfig
+from pipeline.adapters.phone.config import PhoneConfig
 from pipeline.session_config import SessionConfig
-from pipeline.telephony import DIALECTS, FRAME_BYTES, CallStart, Dialect, StreamError, digit, mark_name, payload
+from pipeline.adapters.phone.carriers import DIALECTS, FRAME_BYTES, CallStart, Dialect, StreamError, digit, mark_name, payload
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The Realtime protocol's server events and conversation items, as JSON-ready dicts (GA names).
 
-Builders only: :class:`pipeline.adapters.realtime.RealtimeSession` decides when each goes out,
+Builders only: :class:`pipeline.adapters.realtime.adapter.RealtimeSession` decides when each goes out,
 adds its ``event_id`` and, for a beta client (``OpenAI-Beta: realtime=v1``), renames it
 (:data:`BETA_NAMES`). Shapes follow OpenAI's GA reference as its own SDKs parse them (the Agents
 SDK validates every event: each field here that it requires is always present).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.history import Item
+from pipeline.conversation.history import Item
 
 # GA event name -> the beta name an older client expects (the cheap aliases; docs/realtime.md)
 BETA_NAMES = {

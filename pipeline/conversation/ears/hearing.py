@@ -20,7 +20,7 @@ import numpy as np
 from pipeline.audio_constants import USER_RATE
 from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, UnknownStream, bounded
 from pipeline.errors import E_ENGINE_UNAVAILABLE, E_NO_FREE_SLOT
-from pipeline.history import new_id
+from pipeline.conversation.history import new_id
 from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Protocol v1 (docs/protocol.md): binary msgpack frames onto one conversation core.
 
-:class:`Session` parses each client frame (``pipeline.protocol``) into a command for its
+:class:`Session` parses each client frame (``pipeline.adapters.v1.protocol``) into a command for its
 :class:`~pipeline.conversation.core.Conversation`, and turns each event of the core into v1's
 message. It holds no conversation rule; bad input costs one ``error`` message.
 """
@@ -11,11 +11,11 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from pipeline import protocol as P
-from pipeline.adapters.wire import WireSession
-from pipeline.agent import DEFAULT_VOICE, MAX_VOICE_CLIP_S, BadSetting
+from pipeline.adapters.v1 import protocol as P
+from pipeline.wire import WireSession
+from pipeline.conversation.agent import DEFAULT_VOICE, MAX_VOICE_CLIP_S, BadSetting
 from pipeline.audio_constants import REPLY_RATE
-from pipeline.calls import ToolResultError
+from pipeline.conversation.calls import ToolResultError
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as E
 from pipeline.conversation.core import Conversation, Refusal
@@ -31,7 +31,7 @@ def _monotonic() -> float:
 
 
 class Session(WireSession):
-    resumable = True  # a dropped connection may resume (pipeline/keeper.py)
+    resumable = True  # a dropped connection may resume (pipeline/resume/keeper.py)
 
     def __init__(self, send: Callable[[bytes], Awaitable[None]], backends: Backends, cfg: SessionConfig | None = None,
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),

@@ -1,7 +1,7 @@
 """The gateway's door: every handshake is checked here before the WebSocket is accepted.
 
 In order: the ``Host`` (one of this server's names, which defeats DNS rebinding), the ``Origin``,
-the client's failed attempts, the credentials (``pipeline.auth``), then, counted only for
+the client's failed attempts, the credentials (``pipeline.door.auth``), then, counted only for
 handshakes with good credentials, the client's handshake rate and concurrent sessions. Failed
 attempts are counted apart, so an anonymous flood (from any number of addresses) never costs a
 token holder anything. A refusal is an HTTP status with a stable code, sent
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.auth import TICKET_PARAM, AuthError, Authenticator, bearer, host_allowed, origin_allowed
-from pipeline.client_limits import ClientLimits, LimitExceeded
-from pipeline.resume import PARAMS as RESUME_PARAMS
+from pipeline.door.auth import TICKET_PARAM, AuthError, Authenticator, bearer, host_allowed, origin_allowed
+from pipeline.door.client_limits import ClientLimits, LimitExceeded
+from pipeline.resume.tokens import PARAMS as RESUME_PARAMS
 
 # Refusal codes (docs/protocol.md, "Authentication and limits") and their HTTP statuses.
 E_UNAUTHORIZED = "unauthorized"
@@ -63,7 +63,7 @@ class Admission:
 
 
 class StreamAdmission:
-    """A carrier stream admitted to wait for its start (``pipeline/adapters/phone.py``
+    """A carrier stream admitted to wait for its start (``pipeline/adapters/phone/adapter.py``
     ``serve_call``): it holds one of the replica's waiting places, and no session place, until
     ``verified()`` exchanges the one for the other (Refused when its address has none left);
     ``refused()`` counts a stream that never showed a good start as a failed attempt of its

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.call_control import CallControl, TelnyxCalls, TwilioCalls, tool_schemas
+from pipeline.adapters.phone.call_control import CallControl, TelnyxCalls, TwilioCalls, tool_schemas
 
 DTMF_MODES = ("turn", "tool")  # keys as a user turn, or as the result of the collect_digits tool
 CALL_TOOLS = ("end_call", "transfer_call", "collect_digits")  # the built-in tools an agent may use

@@ -1,4 +1,4 @@
-"""The agent's built-in call tools on one phone call (``pipeline/call_control.py``), run between
+"""The agent's built-in call tools on one phone call (``pipeline/adapters/phone/call_control.py``), run between
 frames: the LLM asks (``ask``), the phone adapter runs what was asked at its next deadline check.
 
 - ``end_call`` and ``transfer_call(to)`` answer at once ("close": nothing more is said) and end
@@ -14,12 +14,12 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from pipeline.call_control import MAX_DIGITS, CallControl, CallControlError
-from pipeline.calls import ToolResultError
+from pipeline.adapters.phone.call_control import MAX_DIGITS, CallControl, CallControlError
+from pipeline.conversation.calls import ToolResultError
 from pipeline.conversation import commands as C
 from pipeline.conversation.core import Conversation
 from pipeline.engines import ToolCall
-from pipeline.phone_config import PhoneAgent, PhoneConfig
+from pipeline.adapters.phone.config import PhoneAgent, PhoneConfig
 
 log = logging.getLogger(__name__)
 E_CALL_CONTROL = "call_control_failed"

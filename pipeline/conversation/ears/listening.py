@@ -12,7 +12,7 @@ import numpy as np
 
 from pipeline.audio import AudioRing
 from pipeline.audio_constants import USER_RATE
-from pipeline.vad import SileroVAD, VADEvent, VADSettings, VoiceActivity
+from pipeline.conversation.ears.vad import SileroVAD, VADEvent, VADSettings, VoiceActivity
 
 RECENT_S = 3.0  # raw audio kept: the longest frame (1 s), the VAD's onset delay and the pre-roll fit
 
@@ -21,7 +21,7 @@ class Listener:
     def __init__(self, vad: VADSettings, echo_cancellation: bool, model: SileroVAD | None = None):
         self.vad = VoiceActivity(vad, model)
         if echo_cancellation:
-            from pipeline.echo import EchoCanceller
+            from pipeline.conversation.ears.echo import EchoCanceller
 
             self.echo: "EchoCanceller | None" = EchoCanceller()
         else:
@@ -58,7 +58,8 @@ class Listener:
 def warm_listening() -> None:
     """Load the process's VAD, Smart Turn and echo canceller now and run each once (onnxruntime's
     first call allocates), so a server's first caller does not pay for it."""
-    from pipeline import smart_turn, vad
+    from pipeline.conversation.ears import smart_turn
+    from pipeline.conversation.ears import vad
 
     Listener(VADSettings(), echo_cancellation=True).hear(np.zeros(vad.WINDOW + vad.CONTEXT, np.int16))
     smart_turn.shared_model().probability(np.zeros(USER_RATE, np.int16))

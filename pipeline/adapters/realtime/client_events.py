@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.audio_formats import Decoder
+from pipeline.adapters.audio_formats import Decoder
 from pipeline.conversation import commands as C
-from pipeline.history import Item, new_id
-from pipeline.protocol import MAX_WS_MESSAGE_BYTES
+from pipeline.conversation.history import Item, new_id
+from pipeline.adapters.v1.protocol import MAX_WS_MESSAGE_BYTES
 
 # One input_audio_buffer.append's audio (base64): what fits in the proxy's largest message (OpenAI
 # allows 15 MiB; 240 KiB of base64 is 3.7 s of 24 kHz audio, far above what clients send at once).

@@ -24,7 +24,7 @@ MAX_AUDIO_SECONDS = 1.0
 MAX_AUDIO_BYTES = int(USER_RATE * MAX_AUDIO_SECONDS) * 2
 MAX_TEXT_CHARS = 4_000
 MAX_VOICE_CLIP_BYTES = REPLY_RATE * 2  # voice.clip audio: int16 mono at REPLY_RATE, at most 1 s a frame
-# v1 names of the agent settings (session.update, a turn's ``response``) -> pipeline.agent.AgentSettings fields
+# v1 names of the agent settings (session.update, a turn's ``response``) -> pipeline.conversation.agent.AgentSettings fields
 SETTINGS = {"instructions": "instructions", "voice": "voice", "temperature": "temperature",
             "max_output_tokens": "max_output_tokens", "output_modalities": "modalities", "tools": "tools",
             "tool_choice": "tool_choice", "tool_filler": "tool_filler", "tool_filler_after_ms": "tool_filler_after_ms"}

@@ -9,7 +9,7 @@ numbers; a reply that was in flight ends at what the client reports it received.
 
 The token is ``<session id>.<generation>.<secret>``, 128 random bits the session's gateway made;
 the store keeps the secret's digest with the snapshot, and the principal (who connected: see
-``pipeline.auth.Authenticator.principal``), so a token cannot be guessed, nor used with other
+``pipeline.door.auth.Authenticator.principal``), so a token cannot be guessed, nor used with other
 credentials. (In place of an HMAC under a shared key: that key would have to be the same on every
 gateway and store replica and outlive their replacements; a digest kept with the snapshot needs
 neither, and a gateway that finds the store replaced puts its sessions back, digests and all.)
@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import pickle
 import secrets
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from pipeline.agent import AgentSettings
-from pipeline.engines import Segment
-from pipeline.history import Item
 
 RESUME_PARAM = "resume"  # the token, in the reconnecting handshake's query
 RECEIVED_TURN_PARAM = "resume_turn"  # the turn of the last ``audio`` message the client received
@@ -55,43 +51,6 @@ class ResumeRefused(Exception):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
-
-
-@dataclass
-class InFlight:
-    """The reply that was being sent when the connection ended: its turn, its history item, and
-    the audio it had sent as ``(seq, samples of the item's audio up to the end of that message)``."""
-
-    turn: int
-    item_id: str
-    sent: list[tuple[int, int]] = field(default_factory=list)
-
-    def samples_received(self, turn: int | None, seq: int | None) -> int:
-        """The item's audio the client has, given the last ``audio`` message it received."""
-        if turn != self.turn or seq is None:
-            return 0
-        return max((end for s, end in self.sent if s <= seq), default=0)
-
-
-@dataclass
-class Snapshot:
-    """What a resumed conversation starts from (``Conversation.snapshot`` / ``restore``)."""
-
-    session_id: str
-    turn: int  # the last user turn that ended
-    items: list[Item]
-    agent: AgentSettings
-    context: list[Segment]
-    in_flight: InFlight | None = None
-    saved_at: float = 0.0  # Unix seconds
-
-    def dumps(self) -> bytes:
-        """A copy that later changes to the live conversation do not reach (and its size)."""
-        return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
-
-    @staticmethod
-    def loads(blob: bytes) -> "Snapshot":
-        return pickle.loads(blob)  # noqa: S301 - only ever what a gateway of this app put in the store
 
 
 def new_token(session_id: str, generation: int) -> tuple[str, str]:

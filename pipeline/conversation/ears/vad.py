@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.audio_constants import USER_RATE
+from pipeline.session_config import VADSettings
 
 WINDOW = 512  # samples per model call at 16 kHz (32 ms)
 CONTEXT = 64  # samples of the previous window the model sees before each window
@@ -56,25 +57,6 @@ class SileroVAD:
 @functools.cache
 def shared_model() -> SileroVAD:
     return SileroVAD()
-
-
-@dataclass(frozen=True)
-class VADSettings:
-    threshold: float = 0.5  # a window at or above this probability is speech
-    min_speech_ms: float = 64  # speech.started once speech has lasted this long
-    min_silence_ms: float = 200  # speech.stopped once silence (p < threshold - 0.15) has lasted this long
-
-    def __post_init__(self) -> None:
-        if not 0 < self.threshold < 1:
-            raise ValueError(f"vad_threshold must be in (0, 1), got {self.threshold!r}")
-        for name in ("min_speech_ms", "min_silence_ms"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"vad_{name} must be >= 0, got {getattr(self, name)!r}")
-
-    @property
-    def off_threshold(self) -> float:
-        """Hysteresis: speech goes on until the probability falls below this (Silero's own rule)."""
-        return max(0.01, self.threshold - 0.15)
 
 
 @dataclass(frozen=True)

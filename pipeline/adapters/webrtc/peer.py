@@ -44,9 +44,9 @@ from aiortc.sdp import SessionDescription
 from av import AudioFrame, AudioResampler
 
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
-from pipeline.bodies import MAX_SDP_BYTES
+from pipeline.door.bodies import MAX_SDP_BYTES
 from pipeline.engines import ClientGone
-from pipeline.history import new_id
+from pipeline.conversation.history import new_id
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Phone carriers' media streams (docs/phone.md): the adapter, each carrier's messages, the webhook, call control."""

@@ -1,0 +1,1 @@
+"""Conversations that outlive their connection: resume tokens, the snapshot store, and the keeper that feeds it."""

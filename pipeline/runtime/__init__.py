@@ -1,0 +1,1 @@
+"""The engines' runtime: threads, weights, tokenizers, compile cache and guard, private directories."""
