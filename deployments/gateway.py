@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import AsyncIterator
 from urllib.parse import parse_qsl
@@ -46,7 +47,8 @@ from pipeline.adapters.webrtc.peer import OfferRefused, Peer, read_webrtc_sectio
 from pipeline.adapters.realtime.adapter import check_opening_session
 from pipeline.adapters.realtime.adapter import refusal as realtime_refusal
 from pipeline.conversation.agent import BadSetting
-from pipeline.door.bodies import MAX_FORM_BYTES, MAX_SDP_BYTES, MAX_SESSION_JSON_BYTES, MULTIPART_SLACK
+from pipeline.door.bodies import (BODY_TIMEOUT_S, MAX_BODIES_READING, MAX_FORM_BYTES, MAX_SDP_BYTES,
+                                  MAX_SESSION_JSON_BYTES, MULTIPART_SLACK)
 from pipeline.adapters.realtime.client_events import ClientEventError
 from pipeline.conversation.ears.listening import warm_listening
 from pipeline.audio_constants import USER_RATE
@@ -228,21 +230,34 @@ class BodyRefused(Exception):
         error = {"type": "invalid_request_error", "code": self.code, "message": self.message}
         if self.param is not None:
             error["param"] = self.param
-        return JSONResponse({"error": error}, self.status)
+        return JSONResponse({"error": error}, self.status, headers={"Retry-After": "1"} if self.status == 503 else None)
+
+
+_reading = Counter()  # "bodies": the request bodies this replica is reading now
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request's body, declared or chunked, read no further than ``limit`` bytes. The proxy's
-    body limits (pipeline/door/bodies.py) hold every route to its size and time before this runs; this
-    holds the size where they are not installed."""
+    """The request's body, declared or chunked, read no further than ``limit`` bytes and within
+    BODY_TIMEOUT_S, at most MAX_BODIES_READING at once on this replica (pipeline/door/bodies.py).
+    The proxy's body limits hold anonymous bodies to the same before this runs; a body with a
+    credential streams on to here, and auth mode none checks no credential."""
     declared = request.headers.get("content-length") or ""
     if declared.isdigit() and int(declared) > limit:
         raise BodyRefused(413, "body_too_large", f"this request's body may be at most {limit} bytes")
+    if _reading["bodies"] >= MAX_BODIES_READING:
+        raise BodyRefused(503, "server_busy", "this server is reading too many request bodies; try again shortly")
+    _reading["bodies"] += 1
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyRefused(413, "body_too_large", f"this request's body may be at most {limit} bytes")
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise BodyRefused(413, "body_too_large", f"this request's body may be at most {limit} bytes")
+    except TimeoutError:
+        raise BodyRefused(408, "body_timeout", f"the request's body must arrive within {BODY_TIMEOUT_S:g} s") from None
+    finally:
+        _reading["bodies"] -= 1
     return bytes(body)
 
 
@@ -284,7 +299,7 @@ async def _offer(request: Request) -> tuple[str, object]:
         await _text(form.get("session"), MAX_SESSION_JSON_BYTES, "session")
     try:
         session = json.loads(session) if session else None
-    except ValueError:
+    except (ValueError, RecursionError):
         raise BodyRefused(400, "invalid_session", "the session part must be a JSON object", "session") from None
     return sdp or "", session
 
@@ -610,20 +625,20 @@ class Gateway:
         """An ephemeral key for a browser's WebRTC call, as OpenAI's client_secrets: a one-use
         ticket, for a bearer token. The browser sends it as its Bearer on POST /v1/realtime/calls."""
         hs = Handshake(dict(request.headers), {}, self.gate.auth.address_of(request))
-        try:
-            issued = self.gate.issue_ticket(hs)
-        except Refused as refused:
-            metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
-            return _refusal_response(refused)
-        try:
+        try:  # the credential first, then the body; the key is issued only for a good one of each
+            self.gate.check_ticket_request(hs)
             body = await _body(request, MAX_SESSION_JSON_BYTES + 1024)
             try:
                 request_object = json.loads(body) if body.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise BodyRefused(400, "invalid_json", "the body must be a JSON object") from None
             if not isinstance(request_object, dict):
                 raise BodyRefused(400, "invalid_json", "the body must be a JSON object")
             session = _session_of(request_object.get("session"), self.session_cfg, self.voices)
+            issued = self.gate.issue_ticket(hs)
+        except Refused as refused:
+            metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
+            return _refusal_response(refused)
         except BodyRefused as refused:
             return refused.response()
         return JSONResponse({"value": issued["ticket"], "expires_at": int(time.time() + issued["expires_in_s"]),
@@ -640,6 +655,7 @@ class Gateway:
         except Refused as refused:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             return _refusal_response(refused)
+        peer = None
         try:
             await self._claim_ticket(hs)
             if self.sessions.full or self.sessions.draining:
@@ -661,8 +677,10 @@ class Gateway:
             admission.release()
             return JSONResponse({"error": {"type": "invalid_request_error", "code": refused.code,
                                            "message": refused.message}}, refused.status)
-        except BaseException:
+        except BaseException:  # the client went away mid-answer (a cancel): nothing of the call stays
             admission.release()
+            if peer is not None:
+                asyncio.ensure_future(peer.close())
             raise
         metrics.WEBRTC_CALLS.inc()
         self.rtc_calls[peer.id] = peer

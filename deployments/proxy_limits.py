@@ -117,8 +117,10 @@ class BodyLimits:
     route that checks it first streams on, under the same bounds. Refused here, and the connection
     closed: a body over its route's size (413, as soon as the declared length or the bytes read
     pass it), one not complete within ``BODY_TIMEOUT_S`` (408), an anonymous request to a route at
-    its budget, or any from an address with ``MAX_BODIES_PER_ADDRESS`` bodies still arriving
-    (503). WebSockets pass untouched (their messages have limits of their own)."""
+    its budget, or from an address with ``MAX_BODIES_PER_ADDRESS`` anonymous bodies still arriving
+    (503). A request without a body, and every WebSocket, passes untouched. Behind a reverse proxy
+    every client shares its address: let it buffer bodies (nginx's default), so that they arrive
+    here whole and at once."""
 
     LOG_EVERY_S = 10.0
 
@@ -126,7 +128,7 @@ class BodyLimits:
         self.app = app
         self.routes = routes
         self.in_flight: Counter[str] = Counter()  # route name -> anonymous requests in flight
-        self.arriving: Counter[str] = Counter()  # client address -> bodies still arriving
+        self.arriving: Counter[str] = Counter()  # client address -> anonymous bodies still arriving
         self.refused: Counter[str] = Counter()  # (logged now and then, not per request)
         self._logged_at = 0.0
 
@@ -142,9 +144,12 @@ class BodyLimits:
             await self._refuse(send, route, 413, "body_too_large", f"this request's body may be at most "
                                f"{route.max_bytes} bytes")
             return
+        if declared in (None, b"0") and b"transfer-encoding" not in headers:
+            await self.app(scope, receive, send)  # no body (a GET, a probe): nothing to wait for
+            return
         anonymous = not (route.credentials_first and headers.get(b"authorization"))
-        if (anonymous and self.in_flight[route.name] >= route.max_in_flight) \
-                or self.arriving[address] >= MAX_BODIES_PER_ADDRESS:
+        if anonymous and (self.in_flight[route.name] >= route.max_in_flight
+                          or self.arriving[address] >= MAX_BODIES_PER_ADDRESS):
             await self._refuse(send, route, 503, "server_busy", "this server has too many requests of this kind in "
                                "flight; try again shortly")
             return
@@ -186,12 +191,9 @@ class BodyLimits:
         deadline. Past either, the client is answered here and the app sees a disconnect."""
         deadline = asyncio.get_running_loop().time() + BODY_TIMEOUT_S
         state = {"read": 0, "complete": False, "answered": False, "started": False}
-        self._arrives(address, 1)
 
         def body_done() -> None:
-            if not state["complete"]:
-                state["complete"] = True
-                self._arrives(address, -1)
+            state["complete"] = True
 
         async def bounded_receive():
             if state["answered"]:

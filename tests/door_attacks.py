@@ -189,6 +189,7 @@ BAD_SESSIONS = {  # nested objects where strings (or other types) belong, and va
     "eagerness a list": {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": ["low"]}}}},
     "audio a string": {"audio": "loud"},
     "an unknown voice": {"audio": {"output": {"voice": "nobody"}}},
+    "nested 500 deep": {"prompt": json.loads("[" * 500 + "]" * 500)},  # ~1 KB; deepcopy of it recursed out
 }
 
 

@@ -241,34 +241,42 @@ def test_gate_refusals_and_their_statuses():
 
 
 def test_a_carrier_stream_waits_apart_and_takes_a_session_place_only_once_verified():
-    """64 anonymous carrier streams cannot hold a token holder's places: they wait in the
-    replica's small budget of waiting streams (the 17th is refused 503 at once) and hold no
-    session place of their address; a stream never verified counts as a failed attempt of its
-    address, which is refused once past its rate; a verified one takes its address's place."""
-    g = Gatekeeper(auth(), ClientLimits(1, 4), max_waiting_streams=16)
-    waiting = [g.admit_stream(Handshake({"host": "h:1"}, {}, "anon")) for _ in range(16)]
+    """Anonymous carrier streams cannot hold a token holder's places: they wait in the replica's
+    small budget of waiting streams (16, a quarter of it per address; beyond: 503 at once) and hold
+    no session place. Each counts as a failed attempt of its address when admitted, forgiven once
+    its start is verified: an address past its rate of them is refused at once (429)."""
+    g = Gatekeeper(auth(), ClientLimits(1, 6), max_waiting_streams=16)
+    anon = [g.admit_stream(Handshake({"host": "h:1"}, {}, "anon")) for _ in range(4)]
     with pytest.raises(Refused) as exc:
-        g.admit_stream(Handshake({"host": "h:1"}, {}, "other"))
+        g.admit_stream(Handshake({"host": "h:1"}, {}, "anon"))  # its address's share is taken
+    assert (exc.value.status, exc.value.code) == (503, "server_busy")
+    others = [g.admit_stream(Handshake({"host": "h:1"}, {}, f"other{i // 4}")) for i in range(12)]
+    with pytest.raises(Refused) as exc:
+        g.admit_stream(Handshake({"host": "h:1"}, {}, "carrier"))  # all 16 are taken
     assert (exc.value.status, exc.value.code) == (503, "server_busy")
     assert g.limits.sessions("anon") == 0
     g.admit(Handshake({"authorization": f"Bearer {TOKEN}", "host": "h:1"}, {}, "anon"))  # a token holder
-    for w in waiting[:4]:  # four never showed a good start: the address's rate of failures is spent
-        w.refused()
+    for w in anon + others:  # none showed a good start
         w.release()
-    with pytest.raises(Refused) as exc:
+    for _ in range(2):
+        g.admit_stream(Handshake({"host": "h:1"}, {}, "anon")).release()
+    with pytest.raises(Refused) as exc:  # six failed attempts within the minute: anon's rate is spent
         g.admit_stream(Handshake({"host": "h:1"}, {}, "anon"))
     assert (exc.value.status, exc.value.code) == (429, "too_many_handshakes")
-    good = g.admit_stream(Handshake({"host": "h:1"}, {}, "carrier"))
-    good.verified()  # its start showed a good credential: now it is a session of its address
-    assert g.limits.sessions("carrier") == 1 and g.waiting_streams == 12
+    for _ in range(4):
+        good = g.admit_stream(Handshake({"host": "h:1"}, {}, "carrier"))
+        good.verified()  # its start showed a good credential: now it is a session of its address
+        assert g.limits.sessions("carrier") == 1 and len(g.waiting) == 0
+        good.release()
+        good.release()
+    held = g.admit_stream(Handshake({"host": "h:1"}, {}, "carrier"))
+    held.verified()
     with pytest.raises(Refused) as exc:
-        g.admit_stream(Handshake({"host": "h:1"}, {}, "carrier")).verified()  # past its address's cap
-    assert exc.value.code == "too_many_sessions"
-    good.release()
-    good.release()
-    for w in waiting[4:]:
-        w.release()
-    assert g.limits.sessions("carrier") == 0 and g.waiting_streams == 0
+        g.admit_stream(Handshake({"host": "h:1"}, {}, "carrier")).verified()  # past its address's session cap
+    assert exc.value.code == "too_many_sessions" and len(g.waiting) == 0
+    held.release()
+    for _ in range(5):  # the verified ones were forgiven their count: the address's six failures are all left
+        g.admit_stream(Handshake({"host": "h:1"}, {}, "carrier")).release()
 
 
 def test_tickets_and_metrics_need_the_token():

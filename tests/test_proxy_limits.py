@@ -269,6 +269,8 @@ def test_a_route_at_its_budget_is_answered_503_at_once_and_other_routes_are_not(
     try:
         with _connect(port, _post("/small", b"y")) as over:
             assert _status(over) == 503
+        with _connect(port, _post("/small")) as bodiless:  # nothing to wait for: not held to the budget
+            assert _status(bodiless) == 200
         with _connect(port, _post("/elsewhere", b"y")) as other:
             assert _status(other) == 200
         held[0].sendall(b"x" * 49)  # one completes: its place is free again
@@ -324,6 +326,44 @@ def test_a_request_with_credentials_streams_past_a_full_anonymous_budget_under_t
     while len(reached) < 3 and time.monotonic() < deadline:  # the app hears of it after the client does
         time.sleep(0.01)
     assert reached == [b"y" * 20, "disconnected", "disconnected"]
+
+
+def test_the_gateway_reads_a_body_streamed_to_it_within_the_deadline_and_its_budget(monkeypatch):
+    """A body that streams on to the gateway (with a credential; auth mode none checks none) is
+    read there within BODY_TIMEOUT_S (408), at most MAX_BODIES_READING at once (503)."""
+    from starlette.requests import Request
+
+    from deployments import gateway
+
+    monkeypatch.setattr(gateway, "BODY_TIMEOUT_S", 0.3)
+
+    def request(chunks: list[bytes], stall: bool = False) -> Request:
+        async def receive():
+            if chunks:
+                return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks) or stall}
+            await asyncio.Event().wait()  # a client that sends no more
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+    async def read(req: Request, limit: int = 100):
+        try:
+            return await gateway._body(req, limit)
+        except gateway.BodyRefused as refused:
+            return refused.status, refused.code
+
+    async def go():
+        whole = await read(request([b"ab", b"cd"]))
+        slow = await read(request([b"ab"], stall=True))
+        large = await read(request([b"x" * 60, b"x" * 60]))
+        gateway._reading["bodies"] = gateway.MAX_BODIES_READING
+        try:
+            busy = await read(request([b"ab"]))
+        finally:
+            gateway._reading["bodies"] = 0
+        return whole, slow, large, busy
+
+    whole, slow, large, busy = asyncio.run(go())
+    assert whole == b"abcd" and slow == (408, "body_timeout") and large == (413, "body_too_large")
+    assert busy == (503, "server_busy") and gateway._reading["bodies"] == 0
 
 
 # --- every interpreter of the environment has the callback variable (deployments/door_env.py) ----

@@ -165,18 +165,19 @@ def test_an_offer_with_more_candidates_than_a_browser_sends_is_refused():
 
 
 def test_candidates_the_policy_refuses_are_dropped_by_reason():
-    policy = webrtc_peer.IcePolicy(own=frozenset({ipaddress.ip_address("93.184.216.7")}),
+    policy = webrtc_peer.IcePolicy(own=frozenset({ipaddress.ip_address("93.184.216.7"), ipaddress.ip_address("10.1.0.1")}),
                                    allowed=(ipaddress.ip_network("10.1.0.0/16"),))
     offer = _offer_with(["1 1 udp 1 127.0.0.1 5000 typ host", "2 1 udp 1 10.9.9.9 5000 typ host",
                          "3 1 udp 1 169.254.1.1 5000 typ host", "4 1 udp 1 224.0.0.251 5000 typ host",
                          "5 1 udp 1 ::1 5000 typ host", "6 1 udp 1 fe80::1 5000 typ host",
                          "7 1 udp 1 1f2e3d4c-aaaa.local 5000 typ host", "8 1 tcp 1 93.184.216.34 9 typ host tcptype active",
                          "9 1 udp 1 93.184.216.7 5000 typ host", "10 1 udp 1 10.1.2.3 5000 typ host",
-                         "11 1 udp 1 93.184.216.34 5000 typ srflx raddr 10.0.0.2 rport 5000"])
+                         "11 1 udp 1 93.184.216.34 5000 typ srflx raddr 10.0.0.2 rport 5000",
+                         "12 1 udp 1 10.1.0.1 5000 typ host"])  # its own, inside the allowed network
     sdp, dropped = webrtc_peer.check_offer(offer, policy)
     kept = [line.split()[4] for line in sdp.splitlines() if line.startswith("a=candidate:")]
     assert kept == ["10.1.2.3", "93.184.216.34"]  # the allowed network, and a public address
-    assert dict(dropped) == {"not_public": 6, "name": 1, "transport": 1, "own_host": 1}
+    assert dict(dropped) == {"not_public": 6, "name": 1, "transport": 1, "own_host": 2}
     assert "a=end-of-candidates" not in sdp  # so that a caller is learnt from its own checks
 
 

@@ -148,7 +148,7 @@ def _modalities(name: str, value: Any, _voices) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _depth(value: Any) -> int:
+def depth(value: Any) -> int:
     """How deeply lists and dicts nest in ``value`` (a scalar: 0), without recursion."""
     deepest, todo = 0, [(value, 1)]
     while todo:
@@ -165,9 +165,9 @@ def _tools(name: str, value: Any, _voices) -> tuple[dict, ...]:
         return ()
     if not isinstance(value, (list, tuple)) or len(value) > MAX_TOOLS:
         raise BadSetting(name, f"{name} must be a list of at most {MAX_TOOLS} function tools")
-    depth = _depth(value)
-    if depth > MAX_SCHEMA_DEPTH + 3:  # the list, a tool, its parameters: then the schema's own nesting
-        raise BadSetting(name, f"{name}: a tool's parameters nest {depth - 3} levels deep; at most {MAX_SCHEMA_DEPTH}")
+    levels = depth(value)
+    if levels > MAX_SCHEMA_DEPTH + 3:  # the list, a tool, its parameters: then the schema's own nesting
+        raise BadSetting(name, f"{name}: a tool's parameters nest {levels - 3} levels deep; at most {MAX_SCHEMA_DEPTH}")
     size = len(json.dumps(value))
     if size > MAX_TOOLS_CHARS:
         raise BadSetting(name, f"{name} are {size} characters of JSON together; at most {MAX_TOOLS_CHARS}")

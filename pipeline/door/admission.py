@@ -10,6 +10,7 @@ handshake holds one of its client's session places until ``release()``.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from pipeline.door.auth import TICKET_PARAM, AuthError, Authenticator, bearer, host_allowed, origin_allowed
@@ -62,12 +63,36 @@ class Admission:
             self._limits.close_session(self.address)
 
 
+class WaitingStreams:
+    """Carrier streams waiting for their start on this replica: at most ``limit`` in all, and at
+    most a quarter of them (at least one) from one address."""
+
+    def __init__(self, limit: int):
+        self.limit, self.per_address = limit, max(1, limit // 4)
+        self.by_address: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return sum(self.by_address.values())
+
+    def room_for(self, address: str) -> bool:
+        return len(self) < self.limit and self.by_address[address] < self.per_address
+
+    def push(self, address: str) -> None:
+        self.by_address[address] += 1
+
+    def pop(self, address: str) -> None:
+        self.by_address[address] -= 1
+        if self.by_address[address] <= 0:
+            del self.by_address[address]
+
+
 class StreamAdmission:
     """A carrier stream admitted to wait for its start (``pipeline/adapters/phone/adapter.py``
-    ``serve_call``): it holds one of the replica's waiting places, and no session place, until
-    ``verified()`` exchanges the one for the other (Refused when its address has none left);
-    ``refused()`` counts a stream that never showed a good start as a failed attempt of its
-    address. ``release()`` once, when it ends, gives back whichever it holds."""
+    ``serve_call``): it holds one of the replica's waiting places (and of its address's), and no
+    session place, until ``verified()`` exchanges them for a session place (Refused when its
+    address has none left). It was counted as a failed attempt of its address when admitted: a
+    verified stream is forgiven it, one that never showed a good start (``refused()``) is not.
+    ``release()`` once, when it ends, gives back whichever place it holds."""
 
     def __init__(self, gate: "Gatekeeper", hs: Handshake):
         self._gate, self._hs = gate, hs
@@ -76,10 +101,8 @@ class StreamAdmission:
 
     def verified(self) -> None:
         self._stop_waiting()
+        self._gate.failures.forgive(self._hs.address)
         self._session = self._gate._open(self._hs)
-
-    def refused(self) -> None:
-        self._gate._count_failure(self._hs.address)
 
     def release(self) -> None:
         self._stop_waiting()
@@ -89,7 +112,7 @@ class StreamAdmission:
     def _stop_waiting(self) -> None:
         if self._waiting:
             self._waiting = False
-            self._gate.waiting_streams -= 1
+            self._gate.waiting.pop(self._hs.address)
 
 
 class Gatekeeper:
@@ -100,7 +123,7 @@ class Gatekeeper:
         # handshakes refused for their credentials, per address (the same rate)
         self.failures = failures or ClientLimits(1, limits.per_minute, max_clients=limits.max_clients)
         self.max_waiting_streams = max_waiting_streams  # carrier streams yet to show their credential
-        self.waiting_streams = 0
+        self.waiting = WaitingStreams(max_waiting_streams)
 
     def admit(self, hs: Handshake) -> Admission:
         """Admit a conversation handshake, or raise Refused."""
@@ -116,14 +139,14 @@ class Gatekeeper:
         for waiting streams are checked; its session place is taken once the credential is good
         (:class:`StreamAdmission`)."""
         self._check_host(hs)
+        if not self.waiting.room_for(hs.address):
+            raise Refused("server_busy", "too many call streams are waiting for their start here (from this address, "
+                                         "or in all); try again shortly")
         try:
-            self.failures.check_rate(hs.address)
+            self.failures.handshake(hs.address)  # a failure until its start is verified (then forgiven)
         except LimitExceeded as exc:
             raise Refused(exc.code, str(exc)) from None
-        if self.waiting_streams >= self.max_waiting_streams:
-            raise Refused("server_busy", f"{self.max_waiting_streams} call streams are waiting for their start "
-                                         "here already; try again shortly")
-        self.waiting_streams += 1
+        self.waiting.push(hs.address)
         return StreamAdmission(self, hs)
 
     def _count_failure(self, address: str) -> None:
@@ -141,11 +164,15 @@ class Gatekeeper:
             raise Refused(exc.code, str(exc)) from None
         return Admission(self.limits, hs.address)
 
-    def issue_ticket(self, hs: Handshake) -> dict:
-        """``POST /v1/session``: a single-use ticket for a browser's WebSocket handshake."""
+    def check_ticket_request(self, hs: Handshake) -> None:
+        """Raise Refused unless ``hs`` may have a ticket (host, origin, a bearer token)."""
         self._check_host(hs)
         self._check_origin(hs)
         self._check_credentials(hs, lambda: self.auth.require_token(hs.headers))
+
+    def issue_ticket(self, hs: Handshake) -> dict:
+        """``POST /v1/session``: a single-use ticket for a browser's WebSocket handshake."""
+        self.check_ticket_request(hs)
         self._count_handshake(hs.address)
         ticket, ttl = self.auth.issue(for_token=bearer(hs.headers))
         return {"ticket": ticket, "expires_in_s": ttl, "auth": self.auth.cfg.mode,

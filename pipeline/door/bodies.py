@@ -9,8 +9,12 @@ bodies still arriving from one address). A slow or oversized body is answered by
 A request with an ``Authorization`` header to a route whose handler checks that credential before
 it reads the body (``credentials_first``) is not held back: its body streams through to the
 replica under the same size and deadline, and outside the anonymous budget, so that a flood of
-anonymous slow bodies never costs a token holder its offer. A false credential costs nothing: the
-gateway refuses it (401) before it reads a byte of the body.
+anonymous slow bodies never costs a token holder its offer. A false credential costs next to
+nothing where auth is on: the gateway refuses it (401) before it reads a byte of the body. Where
+auth is off (any credential passes), the replica reads at most ``MAX_BODIES_READING`` such bodies at
+once, each within ``BODY_TIMEOUT_S``: the replica's request slots and event loop stay free.
+
+The routes match whole paths: the app is served at ``route_prefix: /`` (both serve configs).
 
 The sizes are the smallest real clients need, with room to spare: a browser's SDP offer (audio
 and the data channel) is 2-6 KB, Twilio's webhook form a few hundred bytes, and a Realtime session
@@ -28,6 +32,9 @@ MAX_SESSION_JSON_BYTES = 64 * 1024  # a Realtime session object as JSON (= the r
 MAX_FORM_BYTES = 8 * 1024  # a carrier's webhook form (Twilio's is a few hundred bytes)
 MULTIPART_SLACK = 4 * 1024  # boundaries and part headers around a multipart offer's parts
 MAX_OTHER_BYTES = 1024  # every other route: a ticket request, a hang-up, GETs (none needs a body)
+# Bodies a gateway replica reads at once (those that stream through the proxy with a credential,
+# which auth mode none does not check): past it, 503 at once; each within BODY_TIMEOUT_S.
+MAX_BODIES_READING = 64
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,12 @@ class ClientLimits:
                                 f"more than {self.per_minute} connection attempts a minute from this address; "
                                 f"try again in {wait:.0f} s")
 
+    def forgive(self, address: str) -> None:
+        """Take back ``address``'s latest handshake (an attempt counted before it was known good)."""
+        client = self._clients.get(address)
+        if client is not None and client.handshakes:
+            client.handshakes.pop()
+
     def open_session(self, address: str) -> None:
         """Take one of ``address``'s session places; LimitExceeded when it holds them all."""
         client = self._client(address, self.clock())

@@ -98,14 +98,10 @@ async def await_start(conn: Connection, dialect: Dialect) -> CallStart:
 
 
 class StreamDoor:
-    """What the gateway does around a carrier stream's start (:func:`serve_call`): ``verified``
-    turns the stream's waiting place into a session place (raises Refused when there is none),
-    ``refused`` counts a stream that never showed a good start against its address."""
+    """What the gateway does once a carrier stream's start is verified (:func:`serve_call`): its
+    waiting place becomes a session place (raises Refused when there is none)."""
 
     def verified(self) -> None:
-        pass
-
-    def refused(self) -> None:
         pass
 
 
@@ -128,8 +124,6 @@ async def serve_call(conn: Connection, backends: Backends, cfg: SessionConfig, r
     except (StreamError, TimeoutError, Refused) as exc:
         if isinstance(exc, StreamError) and exc.reason != "unauthorized":
             observer.error("bad_stream")
-        if not isinstance(exc, Refused):
-            door.refused()
         reason = exc.reason if isinstance(exc, StreamError) else \
             f"no start within {start_within_s:g} s" if isinstance(exc, TimeoutError) else exc.code
         log.warning("call stream refused: %s", reason)

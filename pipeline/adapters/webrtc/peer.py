@@ -83,8 +83,8 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 @dataclass(frozen=True)
 class IcePolicy:
     """Where an offer's candidates may point this server's connectivity checks: public unicast
-    addresses other than this host's own (``own``), and any address in ``allowed`` (networks the
-    operator allows: a LAN, a VPN, loopback for a local test)."""
+    addresses, and any address in ``allowed`` (networks the operator allows: a LAN, a VPN,
+    loopback for a local test), never one of this host's own (``own``)."""
 
     max_candidates: int = MAX_CANDIDATES
     allowed: tuple[Network, ...] = ()
@@ -96,10 +96,10 @@ class IcePolicy:
             ip = ipaddress.ip_address(host)
         except ValueError:
             return "name"  # an mDNS name: resolving it would send a query of the caller's choosing
+        if ip in self.own:
+            return "own_host"  # even inside an allowed network: the gateway does not probe itself
         if any(ip in net for net in self.allowed):
             return None
-        if ip in self.own:
-            return "own_host"
         return None if ip.is_global and not ip.is_multicast else "not_public"
 
 
