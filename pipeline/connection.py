@@ -232,10 +232,9 @@ async def _receive_loop(conn: Connection, session: WireSession) -> str | None:
                 await session.on_frame(frame)
             elif leaving in done:
                 return LEAVING
-            elif wake not in done and await session.check_deadlines():
-                await _close_quietly(conn, session, P.E_IDLE_TIMEOUT,
-                                     f"nothing sent either way for {session.cfg.idle_timeout_s:g} s; closing",
-                                     P.CLOSE_NORMAL, "idle timeout")
+            elif wake not in done and (idle_s := await session.check_deadlines()) is not None:
+                await _close_quietly(conn, session, P.E_IDLE_TIMEOUT, f"nothing sent either way for {idle_s:g} s; "
+                                     "closing", P.CLOSE_NORMAL, "idle timeout")
                 return None
     finally:
         leaving.cancel()

@@ -21,6 +21,7 @@ E_INVALID_VALUE = "invalid_value"      # a field of a command is bad (the Realti
 E_ITEM_NOT_FOUND = "item_not_found"    # a command names an item this conversation does not have
 E_ACTIVE_RESPONSE = "conversation_already_has_active_response"  # a reply asked for while one runs
 E_CANCEL_NOT_ACTIVE = "response_cancel_not_active"  # a cancel with no (such) reply running
+E_NO_OPEN_TURN = "no_open_turn"        # a turn's end asked for with no audio since the last turn (Realtime: commit empty)
 # The session's life
 E_IDLE_TIMEOUT = "idle_timeout"        # nothing sent either way for idle_timeout_s; the session is closed (1000)
 E_SERVER_BUSY = "server_busy"          # the gateway holds max_sessions sessions, or the TTS's line is full

@@ -1,15 +1,16 @@
 """What every protocol adapter offers the connection (``pipeline/connection.py``), whatever its
 wire: the frames in (``on_frame``), the greeting, errors, deadlines, leaving and closing. An
-adapter builds its :class:`~pipeline.conversation.core.Conversation` as ``self.core`` with its
-own ``emit`` and sends through :meth:`send_frame`, one frame at a time."""
+adapter builds its :class:`~pipeline.conversation.core.Conversation` with :meth:`conversation`
+(its own ``emit``, this session's observer and wake-up) and sends through :meth:`send_frame`, one
+frame at a time. It talks to the core through ``do`` and the events it gets back, nothing else."""
 from __future__ import annotations
 
 import asyncio
 from typing import Awaitable, Callable
 
 from pipeline.conversation.core import Conversation
-from pipeline.conversation.snapshot import InFlight
-from pipeline.session_config import SessionConfig
+from pipeline.conversation.events import Error
+from pipeline.conversation.observer import Observer
 
 
 class CloseConnection(Exception):
@@ -28,9 +29,19 @@ class WireSession:
     replaced_by_resume = False
     resume_fields: dict | None = None  # what the greeting says of resuming (set by the keeper)
 
-    def __init__(self, send: Callable[[bytes | str], Awaitable[None]]):
+    def __init__(self, send: Callable[[bytes | str], Awaitable[None]], observer: Observer | None = None):
         self._send_raw = send
         self._send_lock = asyncio.Lock()
+        self.observer = observer or Observer()  # what the session counts (the core counts into it too)
+        self.deadline_changed = asyncio.Event()  # set when a deadline moved between frames (core's or ours)
+
+    def conversation(self, backends, cfg, session_id, smart_turn, voices, clock, **options) -> Conversation:
+        """This session's conversation core: it tells its events to ``self.emit``."""
+        return Conversation(self.emit, backends, cfg, session_id, smart_turn, voices, clock, self.observer,
+                            self.deadline_changed, **options)
+
+    async def emit(self, event) -> None:
+        raise NotImplementedError
 
     @property
     def id(self) -> str:
@@ -63,34 +74,24 @@ class WireSession:
     def restore(self, snap, generation: int, received: tuple[int | None, int | None]) -> None:
         self.core.restore(snap, generation, received)
 
-    def in_flight(self) -> InFlight | None:
-        """The reply being sent, as the wire counted its audio messages (resumable wires)."""
-        return self.core.replies.in_flight if self.resumable else None
-
     async def going_away(self, resume_token: str | None, reason: str) -> None:
         """The server stops serving this connection (a draining replica): stop the reply being sent."""
         await self.core.stop_replying()
 
     @property
-    def cfg(self) -> SessionConfig:
-        return self.core.cfg
-
-    @property
     def closed(self) -> bool:
         return self.core.closed
-
-    @property
-    def deadline_changed(self) -> asyncio.Event:
-        return self.core.deadline_changed
 
     def next_deadline(self) -> float:
         return self.core.next_deadline()
 
-    async def check_deadlines(self) -> bool:
+    async def check_deadlines(self) -> float | None:
+        """Act on deadlines that passed; the idle limit (seconds) once it was reached, else None."""
         return await self.core.check_deadlines()
 
     async def send_error(self, code: str, message: str) -> None:
-        await self.core.shared.error(code, message)
+        self.observer.error(code)
+        await self.emit(Error(code, message))
 
     async def close(self) -> None:
         await self.core.close()

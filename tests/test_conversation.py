@@ -71,8 +71,8 @@ def _conversation(engines: Engines, pace_lead_s: float | None = None):
 
 
 async def _settled(conv: Conversation) -> None:
-    while conv.reply is not None and conv.reply.running:
-        await conv.reply.task
+    while conv.replies.reply is not None and conv.replies.reply.running:
+        await conv.replies.reply.task
 
 
 def _kinds(events) -> list[str]:
@@ -94,7 +94,7 @@ def test_a_typed_turn_is_answered_and_its_response_ends_once():
     assert [e.seq for e in events if isinstance(e, E.ReplyAudio)] == [0, 1, 2]
     assert done.transcript == "Hi there. Bye." and done.reply.status == "completed"
     assert (turn_done.turn, turn_done.interrupted) == (1, False)
-    assert [m["content"] for m in conv.history.messages()] == ["Hello", "Hi there. Bye."]
+    assert [m["content"] for m in conv.shared.history.messages()] == ["Hello", "Hi there. Bye."]
 
 
 def test_a_cut_reply_keeps_what_was_said_and_the_next_turn_follows_its_end():
@@ -115,7 +115,7 @@ def test_a_cut_reply_keeps_what_was_said_and_the_next_turn_follows_its_end():
     cut = kinds.index("ReplyDone")
     assert kinds[cut:cut + 3] == ["ReplyDone", "TurnDone", "TurnEnded"]  # the old response ends, then the new turn
     assert events[cut + 1].interrupted and events[cut + 2].turn == 2
-    assert [m["content"] for m in conv.history.messages()] == ["Count", "One two three four.", "Stop", "Sure."]
+    assert [m["content"] for m in conv.shared.history.messages()] == ["Count", "One two three four.", "Stop", "Sure."]
 
 
 def test_a_turn_answered_over_a_tool_call_ends_once_and_numbers_its_audio_across_replies():
@@ -168,7 +168,7 @@ def test_bad_overrides_are_refused_before_the_turn_ends():
         return conv, events, bad.value
 
     conv, events, bad = asyncio.run(go())
-    assert bad.param == "temperature" and events == [] and conv.turn == 0 and not conv.history.items
+    assert bad.param == "temperature" and events == [] and conv.shared.turn == 0 and not conv.shared.history.items
 
 
 def test_a_spoken_turn_is_recognised_and_its_audio_counted():
@@ -185,7 +185,7 @@ def test_a_spoken_turn_is_recognised_and_its_audio_counted():
     ended = events[0]
     assert ended.text == "what time is it" and ended.audio_s == 1.5 and engines.pushed == 3 * USER_RATE // 2
     assert ended.item.audio and ended.words == [{"word": w} for w in "what time is it".split()]
-    assert conv.history.messages() == [{"role": "user", "content": "what time is it"}]
+    assert conv.shared.history.messages() == [{"role": "user", "content": "what time is it"}]
 
 
 def test_unknown_items_and_bad_truncations_are_refused():

@@ -38,16 +38,16 @@ def test_replies_asked_for_are_rate_limited_and_refill():
     async def go():
         conv = _conv(clock, max_replies_per_minute=60, replies_burst=3)
         for i in range(3):
-            await conv.user_text(f"turn {i}")
-            await conv.reply.task
+            await conv.user_turns.user_text(f"turn {i}")
+            await conv.replies.reply.task
         with pytest.raises(Refusal) as refused:
-            await conv.respond()
-        turns_before = conv.turn
+            await conv.user_turns.respond()
+        turns_before = conv.shared.turn
         with pytest.raises(Refusal):
-            await conv.user_text("one too many")
-        assert conv.turn == turns_before  # refused before anything happened
+            await conv.user_turns.user_text("one too many")
+        assert conv.shared.turn == turns_before  # refused before anything happened
         clock.t += 1.0  # one reply a second comes back
-        await conv.respond()
+        await conv.user_turns.respond()
         return refused.value
 
     refused = asyncio.run(go())
@@ -62,7 +62,7 @@ def test_items_are_capped_and_an_assistant_flood_is_bounded():
         await conv.items.add(Item("user", "hello"))
         flood = [await conv.items.add(Item("assistant", f"{i} " + "b" * 15_000)) for i in range(20)]
         flood.append(await conv.items.add(Item.call("c1", "f", "{" + " " * 15_000 + "}")))
-        return too_big.value, conv.history, flood
+        return too_big.value, conv.shared.history, flood
 
     too_big, history, flood = asyncio.run(go())
     assert (too_big.code, too_big.param) == ("item_too_large", "item")
@@ -135,7 +135,7 @@ def test_item_audio_pays_the_allowance_and_its_encodes_run_one_at_a_time():
     too_long, too_fast, backends, waiting, conv = asyncio.run(go())
     assert too_long.code == "turn_too_long" and too_fast.code == "audio_too_fast"
     assert waiting == 1 and backends.most == 1  # one at a time: the others wait their turn
-    assert backends.started == 1 and not conv.context  # closed: none ran after, none joined the context
+    assert backends.started == 1 and not conv.shared.context.segments  # closed: none ran after, none joined the context
 
 
 def _nested(depth: int) -> dict:

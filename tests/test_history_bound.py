@@ -176,16 +176,16 @@ def test_history_stays_under_its_cap_after_200_long_typed_turns():
         conv = Conversation(quiet, backends, cfg)
         first = None
         for i in range(200):
-            item = await conv.user_text(user(i))
+            item = await conv.user_turns.user_text(user(i))
             first = first or item
-            await conv.reply.task
-            assert conv.history.chars <= cap
-            assert conv.history.chars == sum(item_chars(it) for it in conv.history.items)  # the running total
-            assert conv.history.items[0].role == "user"  # whole turns left: it starts with one
+            await conv.replies.reply.task
+            assert conv.shared.history.chars <= cap
+            assert conv.shared.history.chars == sum(item_chars(it) for it in conv.shared.history.items)  # the running total
+            assert conv.shared.history.items[0].role == "user"  # whole turns left: it starts with one
         return conv, first
 
     conv, first = asyncio.run(go())
-    msgs = conv.history.messages()
+    msgs = conv.shared.history.messages()
     assert sum(len(m["content"]) for m in msgs) <= cap
     assert sum(len(m["content"]) for m in msgs) > cap - 3_400  # close to it: one more turn would not fit
     # the latest turns intact, in order, whole: a user turn, its reply, the next user turn...
@@ -199,7 +199,7 @@ def test_history_stays_under_its_cap_after_200_long_typed_turns():
     assert max(sum(len(m["content"]) for m in sent) for sent in backends.sent) <= cap
     assert backends.sent[-1][-1] == {"role": "user", "content": user(199)}
     with pytest.raises(UnknownItem):  # a dropped item is unknown, as a deleted one
-        conv.history.get(first.id)
+        conv.shared.history.get(first.id)
 
 
 def test_dropped_items_are_unknown_to_realtime_item_events():
@@ -221,9 +221,9 @@ def test_dropped_items_are_unknown_to_realtime_item_events():
             await send(s, type="conversation.item.create", item=text_item(i))
         added = [e["item"]["id"] for e in events if e["type"] == "conversation.item.added"]
         assert len(added) == 10
-        kept = [item.id for item in s.core.history.items]
+        kept = [item.id for item in s.core.shared.history.items]
         dropped = [i for i in added if i not in kept]
-        assert kept == added[-len(kept):] and dropped and s.core.history.chars <= 2_000
+        assert kept == added[-len(kept):] and dropped and s.core.shared.history.chars <= 2_000
         before = len(events)
         await send(s, type="conversation.item.delete", item_id=dropped[0], event_id="del")
         await send(s, type="conversation.item.retrieve", item_id=dropped[0], event_id="get")

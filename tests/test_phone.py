@@ -151,7 +151,7 @@ class Registry(SessionRegistry):
 
 async def _until(session, predicate, timeout: float = 30) -> None:
     """Wait until ``predicate()`` holds, looking again at each change of the conversation's state."""
-    changed = session.core.state_changed
+    changed = session.core.changed
     async with asyncio.timeout(timeout):
         while True:
             changed.clear()
@@ -229,13 +229,13 @@ def test_a_call_answers_keys_and_a_cut_reply_keeps_what_the_caller_heard(engines
         for mark in marks[:2]:
             carrier.inbox.put_nowait(json.dumps(carrier._echo(mark["mark"]["name"])))
         session = next(iter(registry))
-        reply = session.core.reply
+        reply = session.core.replies.reply
         await carrier.wait(lambda sent: len(reply.spoken) >= 2)  # a second clause went out, unheard
         carrier.dtmf("2")  # after the echoes: frames are handled in order
         await carrier.wait(lambda sent: any(m["event"] == "clear" for m in sent))
         carrier.stop()
         await asyncio.wait_for(served, 30)
-        return carrier, session.core.history.messages(), reply, heard_bytes
+        return carrier, session.core.shared.history.messages(), reply, heard_bytes
 
     carrier, history, reply, heard_bytes = asyncio.run(go())
     media = carrier.of("media")
@@ -403,8 +403,8 @@ def test_end_call_hangs_up_through_the_carriers_api_and_closes_the_stream(engine
     assert carrier.close_code == 1000 and carrier.close_reason == "call ended by the agent"
     path = CALL_PATHS[provider] + ("hangup" if provider == "telnyx" else "")
     assert api.requests == [("POST", path, {"Status": "completed"} if provider == "twilio" else {})]
-    (call,) = [i for i in session.core.history.items if i.kind == "function_call"]
-    outputs = [i.text for i in session.core.history.items if i.kind == "function_call_output"]
+    (call,) = [i for i in session.core.shared.history.items if i.kind == "function_call"]
+    outputs = [i.text for i in session.core.shared.history.items if i.kind == "function_call_output"]
     assert call.name == "end_call" and outputs == ["The call ends once this reply has played."]
 
 
@@ -446,10 +446,10 @@ def test_keys_answer_collect_digits_and_are_no_turn_of_their_own(engines, api): 
         served, registry = await _call(_fresh(engines), carrier, cfg=_cfg(engine_timeout_s=5.0), phone=AGENTS,
                                        calls=_calls("twilio", api))
         session = await registry.first()
-        await _until(session, lambda: any(i.kind == "function_call_output" for i in session.core.history.items))
+        await _until(session, lambda: any(i.kind == "function_call_output" for i in session.core.shared.history.items))
         carrier.stop()
         await asyncio.wait_for(served, 30)
-        return session.core.history.items
+        return session.core.shared.history.items
 
     items = asyncio.run(go())
     calls = [i for i in items if i.kind == "function_call" and i.name == "collect_digits"]
@@ -468,7 +468,7 @@ def test_a_call_takes_its_agents_settings_and_an_unknown_agent_is_refused(engine
         session = await registry.first()
         carrier.dtmf("1")  # a turn: its reply's first audio shows the call has started
         await carrier.wait(lambda sent: any(m["event"] == "media" for m in sent))
-        agent = session.core.agent
+        agent = session.core.shared.agent
         carrier.stop()
         await asyncio.wait_for(served, 30)
         unknown = Carrier()
@@ -533,14 +533,11 @@ class Door:
     def verified(self) -> None:
         self.events.append("verified")
 
-    def refused(self) -> None:
-        self.events.append("refused")
-
 
 def test_a_stream_holds_no_session_until_its_start_shows_a_good_credential(engines):  # noqa: F811
     """A stream that never starts is closed at start_within_s; one whose credential is refused is
-    closed at once: neither ever becomes a session (the registry holds nothing for them) and each
-    counts as refused at the door. A good one is verified at the door before its session exists."""
+    closed at once: neither ever becomes a session (the registry holds nothing for them, and the
+    door never verified them). A good one is verified at the door before its session exists."""
     backends = _fresh(engines)
 
     async def go():
@@ -563,8 +560,8 @@ def test_a_stream_holds_no_session_until_its_start_shows_a_good_credential(engin
         return out
 
     out = asyncio.run(go())
-    assert out["silent"][:4] == (1008, "no start within 0.5 s", ["refused"], 0) and out["silent"][4] >= 0.4
-    assert out["forged"][:4] == (1008, "unauthorized", ["refused"], 0)
+    assert out["silent"][:4] == (1008, "no start within 0.5 s", [], 0) and out["silent"][4] >= 0.4
+    assert out["forged"][:4] == (1008, "unauthorized", [], 0)
     assert out["verified before the session"] == ["verified"]
     assert out["good"][:4] == (1000, "call ended", ["verified"], 1)
 

@@ -15,6 +15,7 @@ from scipy.signal import resample_poly
 
 from pipeline.adapters.v1 import protocol as P
 from pipeline.conversation.agent import AgentSettings, BadSetting
+from pipeline.conversation import commands as C
 from pipeline.engines import Voice
 from pipeline.llm.config import LLMConfig
 from pipeline.adapters.realtime.adapter import RealtimeSession
@@ -110,24 +111,24 @@ def test_updates_merge_and_map_onto_the_core(backends):
         wire = Wire()
         s = RealtimeSession(wire, backends, SessionConfig(), voices=TTS.voice_names())
         await s.start()
-        seen = {"created": (s.cfg.turn_detection, s.cfg.eot_threshold, s.cfg.barge_in_mode)}
+        seen = {"created": (s.core.shared.cfg.turn_detection, s.core.shared.cfg.eot_threshold, s.core.shared.cfg.barge_in_mode)}
         await send(s, type="session.update", session={"instructions": "Be a pirate.", "audio": {"input": {
             "turn_detection": {"type": "server_vad", "silence_duration_ms": 350, "threshold": 0.6,
                                "prefix_padding_ms": 120, "interrupt_response": False, "create_response": False}}}})
-        seen["server_vad"] = (s.cfg.turn_detection, s.cfg.vad_min_silence_ms, s.cfg.vad_threshold, s.cfg.vad_preroll_ms,
-                              s.cfg.eot_threshold, s.cfg.barge_in_mode, s.core.reply_on_turn_end)
+        seen["server_vad"] = (s.core.shared.cfg.turn_detection, s.core.shared.cfg.vad_min_silence_ms, s.core.shared.cfg.vad_threshold, s.core.shared.cfg.vad_preroll_ms,
+                              s.core.shared.cfg.eot_threshold, s.core.shared.cfg.barge_in_mode, s.core.shared.reply_on_turn_end)
         await send(s, type="session.update", session={"audio": {"output": {"voice": "robot"}}})
-        seen["merged"] = (s.core.agent.instructions, s.core.agent.voice, s.cfg.vad_min_silence_ms)
+        seen["merged"] = (s.core.shared.agent.instructions, s.core.shared.agent.voice, s.core.shared.cfg.vad_min_silence_ms)
         await send(s, type="session.update", session={"audio": {"input": {"turn_detection": {
             "type": "semantic_vad", "eagerness": "high"}}}})
-        seen["semantic_vad"] = (s.cfg.turn_detection, s.cfg.eot_threshold, s.cfg.eot_max_silence_ms, s.cfg.barge_in_mode)
+        seen["semantic_vad"] = (s.core.shared.cfg.turn_detection, s.core.shared.cfg.eot_threshold, s.core.shared.cfg.eot_max_silence_ms, s.core.shared.cfg.barge_in_mode)
         await send(s, type="session.update", session={"audio": {"input": {"turn_detection": None}}})
-        seen["null"] = (s.cfg.turn_detection, s.cfg.barge_in_mode, s.cfg.vad_events)
-        before = (s.describe(), s.core.agent, s.cfg)
+        seen["null"] = (s.core.shared.cfg.turn_detection, s.core.shared.cfg.barge_in_mode, s.core.shared.cfg.vad_events)
+        before = (s.describe(), s.core.shared.agent, s.core.shared.cfg)
         await send(s, type="session.update", event_id="bad-1", session={
             "instructions": "Changed?", "audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 7}}}})
         await send(s, type="session.update", event_id="bad-2", session={"audio": {"output": {"voice": "nobody"}}})
-        seen["unchanged"] = before == (s.describe(), s.core.agent, s.cfg)
+        seen["unchanged"] = before == (s.describe(), s.core.shared.agent, s.core.shared.cfg)
         await s.close()
         return wire, seen
 
@@ -200,13 +201,14 @@ def test_mulaw_input_is_heard_like_pcm(backends):
             "format": {"type": "audio/pcmu"} if fmt == "pcmu" else {"type": "audio/pcm", "rate": 24000},
             "turn_detection": None}}})
         heard[fmt] = []
-        hear = s.core.hear
+        do = s.core.do
 
-        async def record(pcm):
-            heard[fmt].append(pcm)
-            await hear(pcm)
+        async def record(command):
+            if isinstance(command, C.Hear):
+                heard[fmt].append(command.pcm)
+            return await do(command)
 
-        s.core.hear = record
+        s.core.do = record
         await send(s, type="input_audio_buffer.append", audio=base64.b64encode(encode(clip, fmt)).decode())
         await send(s, type="input_audio_buffer.commit")
         await s.close()

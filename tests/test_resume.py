@@ -164,21 +164,21 @@ def test_a_dropped_session_resumes_on_another_replica_as_the_client_had_it(engin
         s1 = None
 
         def two_clauses_out(m):  # the reply has sent the audio of two clauses: cut inside it
-            return len(s1.core.reply.spoken) >= 2 if s1.core.reply is not None else False
+            return len(s1.core.replies.reply.spoken) >= 2 if s1.core.replies.reply is not None else False
 
         await first.rec.wait(lambda m: m["type"] == "audio", timeout=60)
         s1 = one.session()
         await first.rec.wait(two_clauses_out, timeout=60)
         first.leave()  # the link drops
         await asyncio.wait_for(first.served, 30)
-        said = s1.core.history.items[-1]
+        said = s1.core.shared.history.items[-1]
         heard = _audio(first, 1)[:1]  # the client got only the first audio message before the drop
         heard_samples = sum(len(m["pcm"]) // 2 for m in heard)
         tts_calls = len(spy.calls)
         second = two.connect({"resume": ready["resume_token"], "resume_turn": "1", "resume_seq": "0"})
         again = await _ready(second)
         s2 = two.session()
-        resumed_items = [(i.role, i.text) for i in s2.core.history.items]
+        resumed_items = [(i.role, i.text) for i in s2.core.shared.history.items]
         second.inbox.put_nowait(P.client_text("And then what happened?"))
         await second.rec.wait(_done(2), timeout=60)
         second.leave()
@@ -276,8 +276,8 @@ def test_a_draining_replica_sends_its_sessions_to_resume_elsewhere(engines):
             last = _audio(c, 1)[-1]
             again = two.connect({"resume": away["resume_token"], "resume_turn": "1", "resume_seq": str(last["seq"])})
             resumed.append((await _ready(again), again))
-        histories = {s.id: [(i.role, i.text) for i in s.core.history.items] for s in two.registry}
-        had = {s.id: [(i.role, i.text) for i in s.core.history.items] for s in drained}
+        histories = {s.id: [(i.role, i.text) for i in s.core.shared.history.items] for s in two.registry}
+        had = {s.id: [(i.role, i.text) for i in s.core.shared.history.items] for s in drained}
         for _, again in resumed:
             again.leave()
             await asyncio.wait_for(again.served, 30)
@@ -328,7 +328,7 @@ def test_a_replaced_store_is_filled_again_by_the_live_sessions(engines):
         await asyncio.wait_for(conn.served, 30)
         again = replica.connect({"resume": ready["resume_token"]})
         back = await _ready(again)
-        history = [(i.role, i.text) for i in replica.session().core.history.items]
+        history = [(i.role, i.text) for i in replica.session().core.shared.history.items]
         again.leave()
         await asyncio.wait_for(again.served, 30)
         return back, history

@@ -121,8 +121,8 @@ def test_spoken_and_typed_turns_in_order(backends):
     assert final2["text"] == "How are you?" and "words" not in final2  # typed: no times
     assert final1["text"] and " ".join(w["word"] for w in final1["words"]) == final1["text"].strip()
     assert all(0 <= w["start_ms"] < w["end_ms"] <= 2500 + 80 for w in final1["words"])
-    assert [h["role"] for h in s.history] == ["user", "assistant", "user", "assistant"]
-    assert s.history[1]["content"] == "".join(m["text"] for m in rec.turn(1) if m["type"] == "response.text").strip()
+    assert [h["role"] for h in s.core.shared.history.messages()] == ["user", "assistant", "user", "assistant"]
+    assert s.core.shared.history.messages()[1]["content"] == "".join(m["text"] for m in rec.turn(1) if m["type"] == "response.text").strip()
 
 
 def _past_first_clause(msgs: list[dict], max_words: int) -> bool:
@@ -149,7 +149,7 @@ def test_interruption_truncates_history_and_stops_audio(backends):
         rec, s = await _playing_long_reply(backends)  # paced: the reply takes real time
         # Interrupt once the text sent runs past the first clause: the first clause plays for at least
         # min_frames (480 ms), so the second cannot have started yet and the reply must be cut.
-        await rec.wait(lambda _: _past_first_clause(rec.turn(1), s.cfg.clause_max_words))
+        await rec.wait(lambda _: _past_first_clause(rec.turn(1), s.core.shared.cfg.clause_max_words))
         await s.on_frame(P.client_text("Stop."))
         await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
         await s.close()
@@ -162,8 +162,8 @@ def test_interruption_truncates_history_and_stops_audio(backends):
     assert not any(m.get("turn") == 1 for m in rec.msgs[done_at + 1 :])
     assert rec.msgs.index([m for m in rec.turn(2) if m["type"] == "transcript.final"][0]) > done_at
     full_reply = "".join(m["text"] for m in t1 if m["type"] == "response.text")
-    said = s.history[1]["content"]
-    assert s.history[1]["role"] == "assistant" and said
+    said = s.core.shared.history.messages()[1]["content"]
+    assert s.core.shared.history.messages()[1]["role"] == "assistant" and said
     # truncated: the history keeps the clauses that had started playing, a proper prefix of the text sent
     assert len(said.replace(" ", "")) < len(full_reply.replace(" ", "")), (said, full_reply)
     assert full_reply.replace(" ", "").startswith(said.replace(" ", ""))
@@ -205,7 +205,7 @@ def test_barge_in_by_speech(backends):
         # No grace period (test_no_barge_in_during_the_grace_period covers it), so no waiting for one.
         rec, s = await _playing_long_reply(backends, barge_in_grace_s=0.0)
         # Text past the first clause has been sent, so the cut reply is a proper prefix of it.
-        await rec.wait(lambda _: _past_first_clause(rec.turn(1), s.cfg.clause_max_words))
+        await rec.wait(lambda _: _past_first_clause(rec.turn(1), s.core.shared.cfg.clause_max_words))
         await _say(s, speech_like(2.5, seed=11))  # the user talks over the reply
         await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
         await s.on_frame(P.client_turn_end())
@@ -221,7 +221,7 @@ def test_barge_in_by_speech(backends):
     partials2 = [rec.msgs.index(m) for m in rec.turn(2) if m["type"] == "transcript.partial"]
     assert partials2 and partials2[0] > i_done  # interrupted before the new turn's first partial
     assert rec.turn(2)[-1]["type"] == "response.done" and rec.turn(2)[-1]["interrupted"] is False
-    said = s.history[1]["content"]
+    said = s.core.shared.history.messages()[1]["content"]
     full = "".join(m["text"] for m in rec.turn(1) if m["type"] == "response.text")
     assert said and full.replace(" ", "").startswith(said.replace(" ", "")) and len(said) < len(full)
 
@@ -467,7 +467,7 @@ def test_max_turn_s_ends_a_long_turn(backends):
         buffered = []
         for i in range(0, len(speech), 4800):  # 0.3 s frames: the seventh crosses 2 s
             await s.on_frame(P.client_audio(speech[i : i + 4800]))
-            buffered.append(sum(len(a) for a in s._turn_audio))
+            buffered.append(sum(len(a) for a in s.core.turns.heard.audio))
         held_after_cap = _active(backends)
         await s.on_frame(P.client_turn_end())
         await rec.wait(_done(2))
@@ -775,7 +775,7 @@ def test_a_push_timeout_frees_the_stt_slot_at_once(backends):
         held = {"speaking": _active(backends)}
         failing.stall.add("stt_push")
         await s.on_frame(P.client_audio(speech[3200:4800]))  # times out after 0.5 s
-        await s.core.recogniser.wait_closed()
+        await s.core.turns.recogniser.wait_closed()
         held["timed out"] = _active(backends)
         failing.stall.discard("stt_push")
         await s.close()
@@ -850,8 +850,8 @@ def test_a_client_gone_mid_reply_is_no_error(backends, caplog):
         s = Session(send, backends, SessionConfig(pace_lead_s=None), observer=Counted(counted.append))
         await s.start()
         await s.on_frame(P.client_text("Tell me a long story, please."))
-        await s.core.reply.task
-        reply = s.core.reply
+        await s.core.replies.reply.task
+        reply = s.core.replies.reply
         await s.close()
         return reply
 

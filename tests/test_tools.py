@@ -311,7 +311,7 @@ def test_call_result_then_the_spoken_answer(backends):
         call = await _call(conn)
         conn.say({"type": "tool.result", "call_id": call["call_id"], "output": "Sunny and 21 degrees."})
         await conn.rec.wait(lambda m: m["type"] == "response.done")
-        history = registry.session.history
+        history = registry.session.core.shared.history.messages()
         await _end(conn, task)
         return conn.rec, call, history
 
@@ -341,7 +341,7 @@ def test_filler_then_timeout(backends):
         conn.say({"type": "tool.result", "call_id": call["call_id"], "output": "Too late."})
         conn.say({"type": "text", "text": "Hello?"})  # the session goes on
         await conn.rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
-        history = registry.session.history
+        history = registry.session.core.shared.history.messages()
         await _end(conn, task)
         return conn.rec, call, history
 
@@ -371,7 +371,7 @@ def test_a_new_turn_cancels_a_pending_call_and_its_late_result_is_not_spoken(bac
         await conn.rec.wait(lambda m: m["type"] == "transcript.final" and m["turn"] == 2)
         conn.say({"type": "tool.result", "call_id": call["call_id"], "output": "Sunny."})  # too late: ignored
         await conn.rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
-        history = registry.session.history
+        history = registry.session.core.shared.history.messages()
         await _end(conn, task)
         return conn.rec, call, history
 
@@ -402,7 +402,7 @@ def test_bad_tool_input_gets_errors_and_the_session_goes_on(backends):
         await conn.rec.wait(lambda _: sum(x["type"] == "error" for x in conn.rec.msgs) >= 3)
         conn.say({"type": "tool.result", "call_id": call["call_id"], "output": "Sunny."})  # still pending
         await conn.rec.wait(lambda m: m["type"] == "response.done")
-        tools = registry.session.core.agent.tools
+        tools = registry.session.core.shared.agent.tools
         await _end(conn, task)
         return conn.rec, tools
 

@@ -262,8 +262,8 @@ def test_hands_free_turns_without_turn_end(engines, sentence):
     assert [m["turn"] for m in rec.of("response.done")] == [1, 2]
     kinds = [m["type"] for m in rec.msgs if m["type"].startswith("speech.")]
     assert kinds == ["speech.started", "speech.stopped"] * 3  # the pause, the first end, the second end
-    assert s.eot_probabilities[0] < 0.5  # at the pause: incomplete, so the turn went on
-    assert all(p >= 0.5 for p in s.eot_probabilities[1:])
+    assert s.core.turns.eot_probabilities[0] < 0.5  # at the pause: incomplete, so the turn went on
+    assert all(p >= 0.5 for p in s.core.turns.eot_probabilities[1:])
 
 
 def test_hands_free_silence_is_no_turn_and_takes_no_slot(engines):
@@ -303,7 +303,7 @@ def test_incomplete_pause_ends_the_turn_after_max_silence(engines):
     for streamed in (True, False):
         ended_by: list[str] = []
         rec, s = asyncio.run(go(streamed))
-        assert s.eot_probabilities and s.eot_probabilities[0] < 0.5
+        assert s.core.turns.eot_probabilities and s.core.turns.eot_probabilities[0] < 0.5
         assert [m["turn"] for m in rec.of("transcript.final")] == [1] and ended_by == ["silence"]
 
 
@@ -546,7 +546,7 @@ def test_preemptive_generation_starts_the_llm_on_the_final_transcript_at_the_pau
 
     rec, s = _one_turn(backends, speech.padded(sentence, 0.5, 1.0))
     final = rec.of("transcript.final")[0]["text"]
-    assert final.strip() and s.core.speculations == {"hit": 1} and len(backends.llm) == 1
+    assert final.strip() and s.core.speculator.outcomes == {"hit": 1} and len(backends.llm) == 1
     stream = backends.llm[0]
     assert stream["messages"][-1] == {"role": "user", "content": final.strip()} and stream["ended"]
     assert stream["started_before"] <= [m["type"] for m in rec.msgs].index("transcript.final")
@@ -562,9 +562,9 @@ def test_preemptive_generation_with_another_final_transcript_is_closed(engines):
     backends = Overheard(engines, extra=" indeed")
 
     rec, s = _one_turn(backends, speech.padded(speech.espeak(HALF), 0.5, 1.2), eot_max_silence_ms=800)
-    assert s.core.eot_probabilities[0] < 0.5  # incomplete at the pause
+    assert s.core.turns.eot_probabilities[0] < 0.5  # incomplete at the pause
     final = rec.of("transcript.final")[0]["text"]
-    assert final.endswith(" indeed") and s.core.speculations == {"miss": 1} and len(backends.llm) == 2
+    assert final.endswith(" indeed") and s.core.speculator.outcomes == {"miss": 1} and len(backends.llm) == 2
     speculated, answered = backends.llm
     assert speculated["closed"] and not speculated["ended"]
     assert answered["messages"][-1] == {"role": "user", "content": final.strip()} and answered["ended"]
@@ -578,12 +578,12 @@ def test_preemptive_generation_is_cancelled_when_the_user_speaks_on(engines):
     paused = speech.with_pauses([HALF, "Paris on Friday."], pause_s=0.5)
 
     rec, s = _one_turn(backends, speech.padded(paused, 0.5, 1.0))
-    assert s.core.eot_probabilities[0] < 0.5  # the pause was judged incomplete
+    assert s.core.turns.eot_probabilities[0] < 0.5  # the pause was judged incomplete
     assert len(rec.of("transcript.final")) == 1
     first = [m["type"] for m in rec.msgs].index("transcript.final")
     assert not any(m["type"] in ("audio", "response.text") for m in rec.msgs[:first])
     assert backends.llm[0]["closed"] and not backends.llm[0]["ended"]  # cancelled at the speech
-    assert s.core.speculations.get("cancelled", 0) >= 1 and s.core.speculations.get("hit") == 1
+    assert s.core.speculator.outcomes.get("cancelled", 0) >= 1 and s.core.speculator.outcomes.get("hit") == 1
 
 
 # ----------------------------------------------------------------------------- false interruptions

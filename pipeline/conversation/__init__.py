@@ -9,6 +9,7 @@
 - ``voice_context.py``: the TTS's context; ``shared.py``: what the parts share;
   ``observer.py``: what the metrics hear.
 """
-from pipeline.conversation.core import Conversation, Refusal
+from pipeline.conversation.core import Conversation
+from pipeline.conversation.refusal import Refusal
 
 __all__ = ["Conversation", "Refusal"]

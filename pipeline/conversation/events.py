@@ -120,11 +120,31 @@ class ToolCancelled:
 
 
 @dataclass(frozen=True)
+class PlaybackCut:
+    """Speech over a reply that was sent whole and still plays, where the server holds the client's
+    playback (``holds_playback``): the client drops the rest of it; its item was truncated to
+    ``audio_end_ms`` (None: nothing was reported played of it, the item is as it was)."""
+
+    reply_id: str
+    item_id: str
+    audio_end_ms: int | None
+
+
+@dataclass(frozen=True)
+class CallOver:
+    """A call the agent ended (``EndCall``) is over: its last words have played, or its time is up.
+    ``transfer_to``: where it goes (None: hung up)."""
+
+    transfer_to: str | None
+
+
+@dataclass(frozen=True)
 class Error:
     code: str  # pipeline/errors.py
     message: str
 
 
 Event = (SpeechStarted | SpeechStopped | TranscriptDelta | TurnEnded | ReplyStarted | ReplyText | ReplyAudio
-         | ReplyPaused | ReplyResumed | ReplyDone | TurnDone | ToolCallAsked | ToolCancelled | Error)
+         | ReplyPaused | ReplyResumed | ReplyDone | TurnDone | ToolCallAsked | ToolCancelled | PlaybackCut | CallOver
+         | Error)
 Emit = Callable[[Event], Awaitable[None]]

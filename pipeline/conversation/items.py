@@ -33,6 +33,11 @@ class Items:
             return Item("assistant", reply.said, id=reply.item_id, audio=reply.settings.speaks), True
         return self._known(item_id), False
 
+    def added(self, item: Item, after: str | None) -> tuple[Item, str | None]:
+        """An item just added, and the one before it (``after`` where the item is not kept)."""
+        history = self.shared.history
+        return item, history.previous_id(item) if item in history.items else after
+
     async def add(self, item: Item, after: str | None = None) -> Item:
         """An item added as it is (no turn, no reply), after a known one; at most MAX_ITEM_CHARS."""
         if after not in (None, "root"):

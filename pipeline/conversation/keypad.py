@@ -7,7 +7,7 @@ call are kept for it.
 """
 from __future__ import annotations
 
-MAX_DIGITS = 32  # what one collect_digits call may ask for
+MAX_DIGITS = 20  # what one collect_digits call may ask for
 
 
 class Keypad:

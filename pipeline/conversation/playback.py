@@ -57,6 +57,12 @@ class Playback:
         reply_id, item_id = self.last_done
         return reply_id, item_id, self.heard_ms if self.item_id == item_id else None
 
+    def due(self, now: float, replying: bool) -> float | None:
+        """When the ending is due: now once the last words have played, else its deadline."""
+        if self.ending is None:
+            return None
+        return now if not (self.playing or replying) else self.ending.by
+
     def call_over(self, now: float, replying: bool) -> Ending | None:
         """The ending, once the call's last words have played (or its time is up); taken once."""
         ending = self.ending

@@ -34,10 +34,11 @@ def says_something(text: str, backchannel_words: tuple[str, ...]) -> bool:
 
 
 class Replies:
-    def __init__(self, shared: Shared, tools: ToolFlow, speculator: Speculator, ears: Callable[[], Listener | None]):
+    def __init__(self, shared: Shared, tools: ToolFlow, speculator: Speculator, ears: Callable[[], Listener | None],
+                 wake: asyncio.Event):
         self.shared, self.tools, self.speculator, self.ears = shared, tools, speculator, ears
         self.reply: Reply | None = None  # the last one started
-        self.deadline_changed = asyncio.Event()  # set when a tool call's clocks started between frames
+        self.wake = wake  # set when a tool call's clocks started between frames
         self.done_turn = 0  # the last turn whose response is over
         self._open_turn: int | None = None  # a turn whose response waits on tool results
         self.seq_turn, self._seq = 0, 0  # the response's audio count, across its replies
@@ -72,11 +73,11 @@ class Replies:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, ended_at: float, overrides: dict[str, Any], answers: str | None = None,
-                    script: str | None = None, record: bool = True) -> Reply:
+                    script: str | None = None, record: bool = True, metadata: Any = None) -> Reply:
         """A reply to the history as it is; ``answers``: the user turn it answers ("": an empty
         turn, which gets a reply that ends at once). ``overrides``: agent settings of this reply
         only (checked already). ``script``: a fixed text to say instead of the LLM's; ``record``:
-        whether what it says joins the history."""
+        whether what it says joins the history; ``metadata``: the client's, carried by the reply."""
         s = self.shared
         settings = s.agent.updated(overrides, s.voices) if overrides else s.agent
         last = s.history.last
@@ -87,7 +88,7 @@ class Replies:
         llm = await self.speculator.take(messages, settings.sampling()) \
             if script is None and messages is not None else None
         reply = self.reply = Reply(self, s.turn, messages, settings, ended_at, s.context.take_encoding(), overrides,
-                                   script, record, llm=llm)
+                                   script, record, llm=llm, metadata=metadata)
         await s.emit(ReplyStarted(reply, last.id if last is not None else None))
         reply.start()
         return reply
@@ -248,5 +249,5 @@ class Replies:
     async def reply_tool_call(self, reply: Reply, call: ToolCall) -> None:
         """The LLM called a tool: the client is asked to run it; the call joins the history now."""
         item = self.tools.ask(call, reply.turn, reply.id, reply.overrides)
-        self.deadline_changed.set()  # its filler and timeout clocks start: the receive loop must look again
+        self.wake.set()  # its filler and timeout clocks start: the receive loop must look again
         await self.shared.emit(ToolCallAsked(reply, call, item, self.shared.history.previous_id(item)))

@@ -52,8 +52,9 @@ class ReplyHost(Protocol):
 class Reply:
     def __init__(self, host: ReplyHost, turn: int, messages: list[dict] | None, settings: AgentSettings,
                  ended_at: float, encoding: asyncio.Task | None = None, overrides: dict | None = None,
-                 script: str | None = None, record: bool = True, llm=None):
+                 script: str | None = None, record: bool = True, llm=None, metadata=None):
         self.host = host
+        self.metadata = metadata  # the client's own (a Realtime response.create's), carried to its events
         self.turn = turn
         self.id = new_id("resp")
         self.item_id = new_id("item")  # the assistant item it adds to the history

@@ -52,13 +52,13 @@ class Keeper:
         self.token, self._digest = new_token(self.session.id, self.generation)
         fields = {"resume_token": self.token, "resume_window_s": self.continuity.window_s}
         if self.generation > 0:  # a resumed conversation: where it had got to
-            fields.update(resumed=True, turn=self.session.core.turn)
+            fields.update(resumed=True, turn=self.session.core.shared.turn)
         self.session.resume_fields = fields
-        self.session.core.state_changed.set()  # the first snapshot: a drop before any turn resumes too
+        self.session.core.changed.set()  # the first snapshot: a drop before any turn resumes too
         self._task = asyncio.create_task(self._keep(), name=f"keeper-{self.session.id}")
 
     async def _keep(self) -> None:
-        changed = self.session.core.state_changed
+        changed = self.session.core.changed
         while not self._finished:
             try:
                 await asyncio.wait_for(changed.wait(), timeout=self.continuity.window_s / 3)
@@ -73,7 +73,7 @@ class Keeper:
                 self.session.replaced()  # a newer connection resumed this session: this one leaves
                 return
 
-    async def save(self, in_flight=None) -> bool | None:
+    async def save(self, in_flight: bool = False) -> bool | None:
         """Put the conversation as it is now: True if the store took it, False if it refused it (a
         resume replaced this session, or the snapshot is too large), None if it did not answer."""
         blob = self.session.core.snapshot(in_flight).dumps()
@@ -90,11 +90,11 @@ class Keeper:
             return
         self._finished = True
         if self._task is not None:  # it ends at its next look (a put in flight finishes first)
-            self.session.core.state_changed.set()
+            self.session.core.changed.set()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         deadline = asyncio.get_running_loop().time() + LAST_SAVE_S
-        while await self.save(self.session.in_flight()) is None and asyncio.get_running_loop().time() < deadline:
+        while await self.save(in_flight=True) is None and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.25)  # no answer: the store's replica may be being replaced
 
     async def _call(self, call):

@@ -37,7 +37,7 @@ from pipeline.audio_constants import REPLY_RATE, USER_RATE
 from pipeline.adapters.audio_formats import Decoder, Encoder
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as E
-from pipeline.conversation.core import Conversation, Refusal
+from pipeline.conversation.refusal import Refusal
 from pipeline.conversation.observer import Observer
 from pipeline.conversation.reply import CANCELLED
 from pipeline.engines import Backends
@@ -144,14 +144,13 @@ class PhoneSession(WireSession):
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
                  observer: Observer | None = None, provider: str = "twilio", call: CallStart | None = None,
                  phone: PhoneConfig | None = None, calls: CallControl | None = None):
-        super().__init__(send)
+        super().__init__(send, observer)
         if call is None:
             raise ValueError("a PhoneSession serves a started call: serve_call reads its start first")
         self.dialect = DIALECTS[provider]
-        self.core = Conversation(self.emit, backends, cfg, session_id, smart_turn, voices, _monotonic, observer)
-        self.observer = self.core.shared.observer
+        self.core = self.conversation(backends, cfg, session_id, smart_turn, voices, _monotonic)
         self.phone = phone or PhoneConfig()
-        self.tools = CallTools(self.core, self.phone, calls, _monotonic)
+        self.tools = CallTools(self.core.do, self.phone, calls, self.deadline_changed.set, self.observer)
         self.call = call
         self._decoder = Decoder(call.audio)
         self._encoders: dict[str, Encoder] = {}  # reply id -> its encoder
@@ -173,14 +172,11 @@ class PhoneSession(WireSession):
         return json.dumps({"event": "error", "code": code, "message": message})  # carriers ignore it; logs show it
 
     def next_deadline(self) -> float:
-        due = [self.core.next_deadline(), self.tools.next_deadline(played=not self._marks)]
-        return min(d for d in due if d is not None)
+        due = self.tools.next_deadline(_monotonic())
+        return self.core.next_deadline() if due is None else due
 
-    async def check_deadlines(self) -> bool:
+    async def check_deadlines(self) -> float | None:
         await self.tools.run_asked()
-        if self.tools.ends_now(played=not self._marks):
-            what = await self.tools.end_call(self.call.call_id)
-            raise CloseConnection(None, f"the call was {what}", CLOSE_NORMAL, f"call {what}"[:120])
         return await self.core.check_deadlines()
 
     # ------------------------------------------------------------------ carrier messages in
@@ -220,11 +216,9 @@ class PhoneSession(WireSession):
         changes = agent.settings()
         changes.update({k: parameters[k] for k in ("instructions", "voice") if k in parameters})
         try:
-            await self.core.do(C.Configure(agent=changes))
+            await self.core.do(C.Configure(agent=changes, greet=agent.speaks_first))
         except BadSetting as exc:
             raise StreamError(f"the call's {exc.param}: {exc.message}") from None
-        if agent.speaks_first:
-            await self.core.do(C.Respond())
 
     async def _media(self, msg: dict) -> None:
         pcm = self._decoder.decode(payload(msg))
@@ -242,9 +236,7 @@ class PhoneSession(WireSession):
         if self._last_echo is not None and self._last_echo[0] == sent.item_id:
             self.observer.phone_gap(self.dialect.name, max(0.0, now - self._last_echo[1] - sent.chunk_ms / 1000))
         self._last_echo = (sent.item_id, now)
-        await self.core.do(C.Played(sent.item_id, sent.audio_ms))
-        if self.tools.ending is not None and not self._marks:
-            self.core.deadline_changed.set()  # the agent's last words have played: the call ends now
+        await self.core.do(C.Played(sent.item_id, sent.audio_ms, playing=bool(self._marks)))
 
     # ------------------------------------------------------------------ conversation events out
     async def emit(self, ev: E.Event) -> None:
@@ -254,8 +246,9 @@ class PhoneSession(WireSession):
             await self._reply_done(ev)
         elif isinstance(ev, E.ToolCallAsked):
             self.tools.ask(ev.call)
-        elif isinstance(ev, E.ToolCancelled):
-            self.tools.cancelled(ev.call.call_id)
+        elif isinstance(ev, E.CallOver):  # the agent ended the call and its last words have played
+            what = await self.tools.finish(self.call.call_id, ev.transfer_to)
+            raise CloseConnection(None, f"the call was {what}", CLOSE_NORMAL, f"call {what}"[:120])
         elif isinstance(ev, E.Error):
             log.info("call stream %s: %s: %s", self.id, ev.code, ev.message)  # a phone has no channel for it
 

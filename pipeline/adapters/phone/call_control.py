@@ -16,8 +16,9 @@ from twilio.http.async_http_client import AsyncTwilioHttpClient
 from twilio.rest import Client
 from twilio.twiml.voice_response import VoiceResponse
 
+from pipeline.conversation.keypad import MAX_DIGITS
+
 CALL_CONTROL_TIMEOUT_S = 5.0  # a carrier's REST call answers within this, or the action failed
-MAX_DIGITS = 20
 
 
 class CallControlError(Exception):

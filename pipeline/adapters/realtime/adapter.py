@@ -24,11 +24,11 @@ from pipeline.adapters.audio_formats import Decoder, Encoder
 from pipeline.conversation.calls import ToolResultError
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as CE
-from pipeline.conversation.core import Conversation, Refusal
+from pipeline.conversation.refusal import Refusal
 from pipeline.conversation.observer import Observer
 from pipeline.conversation.reply import COMPLETED
 from pipeline.engines import Backends, EngineUnavailable
-from pipeline.errors import CLIENT_CAUSED, E_ENGINE_UNAVAILABLE, E_TOOL_RESULT_TOO_LARGE
+from pipeline.errors import CLIENT_CAUSED, E_ENGINE_UNAVAILABLE, E_NO_OPEN_TURN, E_TOOL_RESULT_TOO_LARGE
 from pipeline.conversation.history import new_id
 from pipeline.adapters.realtime import client_events as R
 from pipeline.adapters.realtime import events as E
@@ -82,18 +82,17 @@ class _ReplyWire:
 class RealtimeSession(WireSession):
     def __init__(self, send: Callable[[str], Awaitable[None]], backends: Backends, cfg: SessionConfig | None = None,
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
-                 model: str = "gapless", beta: bool = False, observer: Observer | None = None):
-        super().__init__(send)
+                 model: str = "gapless", beta: bool = False, observer: Observer | None = None, **core_options):
+        super().__init__(send, observer)
         self.server_cfg = cfg or SessionConfig()
-        self.core = Conversation(self.emit, backends, self.server_cfg, session_id or new_id("sess"), smart_turn, voices,
-                                 _monotonic, observer)
+        self.core = self.conversation(backends, self.server_cfg, session_id or new_id("sess"), smart_turn, voices,
+                                      _monotonic, **core_options)
         self.beta = beta
         self.session = S.initial(self.id, model, self.server_cfg)
         self.terms = S.apply(self.session, self.server_cfg)
         self._voice_clip: dict | None = None  # what session.updated says of the session's own clip
         self._decoder = Decoder(self.terms.input_format)
         self._replies: dict[str, _ReplyWire] = {}
-        self._pending_metadata: dict | None = None
         self._client_event_id: str | None = None  # the event being handled (errors name it)
 
     async def start(self) -> None:
@@ -135,7 +134,7 @@ class RealtimeSession(WireSession):
             self._client_event_id = None
 
     async def _refuse(self, code: str, message: str, param: str | None = None) -> None:
-        self.core.shared.observer.error(code)
+        self.observer.error(code)
         await self.send(E.error(E.INVALID_REQUEST, code, message, param, self._client_event_id))
 
     async def _session_update(self, event: dict) -> None:
@@ -163,11 +162,14 @@ class RealtimeSession(WireSession):
 
     async def _commit(self, event: dict) -> None:
         await self._hear(self._decoder.flush())
-        if not self.core.heard.open:
+        try:  # a commit answers where the server detects turns and was told to (create_response): respond=None
+            await self.core.do(C.EndTurn(respond=None, must_be_open=True))
+        except Refusal as refused:
+            if refused.code != E_NO_OPEN_TURN:
+                raise
             raise ClientEventError("input_audio_buffer_commit_empty",
-                                   "nothing to commit: no audio since the last turn (a VAD may have ended it already)")
-        # a commit answers only where the server detects turns and was told to (create_response)
-        await self.core.do(C.EndTurn(respond=self.terms.reply_on_turn_end and self.core.cfg.turn_detection == "vad"))
+                                   "nothing to commit: no audio since the last turn (a VAD may have ended it already)"
+                                   ) from None
 
     async def _clear(self, event: dict) -> None:
         await self.core.do(C.ClearAudio())
@@ -178,14 +180,12 @@ class RealtimeSession(WireSession):
         command, after = R.item_command(event, self.terms.input_format), event.get("previous_item_id")
         added = await self.core.do(command)
         if isinstance(command, C.AddUserAudio):
-            await self._send_all(E.user_turn(added, after, self.terms.transcription, len(command.pcm) / USER_RATE))
-            return
-        history = self.core.history
-        previous = history.previous_id(added) if added in history.items else after
-        await self._send_all(E.items_added(E.item(added), previous))
+            await self._send_all(E.user_turn(added.item, after, self.terms.transcription, len(command.pcm) / USER_RATE))
+        else:  # an item, or a call's output
+            await self._send_all(E.items_added(E.item(added.item), added.previous_id))
 
     async def _item_retrieve(self, event: dict) -> None:
-        found, live = self.core.items.item(event.get("item_id"))
+        found, live = await self.core.do(C.GetItem(event.get("item_id")))
         await self.send({"type": "conversation.item.retrieved",
                          "item": E.reply_item(found.id, found.audio, found.text, "in_progress") if live else E.item(found)})
 
@@ -203,11 +203,7 @@ class RealtimeSession(WireSession):
         params = event.get("response") or {}
         if not isinstance(params, dict):
             raise ClientEventError("invalid_value", "response must be an object", "response")
-        self._pending_metadata = params.get("metadata")
-        try:
-            await self.core.do(C.Respond(S.response_overrides(params)))
-        finally:
-            self._pending_metadata = None
+        await self.core.do(C.Respond(S.response_overrides(params), metadata=params.get("metadata")))
 
     async def _response_cancel(self, event: dict) -> None:
         await self.core.do(C.CancelReply(event.get("response_id")))
@@ -267,7 +263,7 @@ class RealtimeSession(WireSession):
     async def _reply_started(self, ev: CE.ReplyStarted) -> None:
         reply = ev.reply
         wire = self._replies[reply.id] = _ReplyWire(
-            Encoder(self.terms.output_format), reply.settings.speaks, reply.settings.voice, self._pending_metadata,
+            Encoder(self.terms.output_format), reply.settings.speaks, reply.settings.voice, reply.metadata,
             self.terms.output_format.describe(), reply.settings.max_output_tokens or "inf")
         await self.send({"type": "response.created", "response": self._response(reply, wire, "in_progress", [])})
         if reply.messages is not None:

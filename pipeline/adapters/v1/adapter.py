@@ -18,7 +18,7 @@ from pipeline.audio_constants import REPLY_RATE
 from pipeline.conversation.calls import ToolResultError
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as E
-from pipeline.conversation.core import Conversation, Refusal
+from pipeline.conversation.refusal import Refusal
 from pipeline.conversation.observer import Observer
 from pipeline.engines import Backends
 from pipeline.session_config import SessionConfig
@@ -36,15 +36,10 @@ class Session(WireSession):
     def __init__(self, send: Callable[[bytes], Awaitable[None]], backends: Backends, cfg: SessionConfig | None = None,
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
                  observer: Observer | None = None):
-        super().__init__(send)
-        self.core = Conversation(self.emit, backends, cfg, session_id, smart_turn, voices, _monotonic, observer)
+        super().__init__(send, observer)
+        self.core = self.conversation(backends, cfg, session_id, smart_turn, voices, _monotonic)
         self._clip: list[np.ndarray] = []  # voice.clip pieces so far
         self._clip_samples = 0
-
-    # What tests and tools read of the conversation
-    history = property(lambda self: self.core.history.messages())
-    eot_probabilities = property(lambda self: self.core.eot_probabilities)
-    _turn_audio = property(lambda self: self.core.heard.audio)
 
     async def start(self) -> None:
         """Greet the client. Nothing is taken from the engines until a spoken turn starts."""
@@ -78,7 +73,7 @@ class Session(WireSession):
                 if isinstance(command, C.Configure):
                     await self.send(P.session_updated({V1_NAMES.get(k, k): v for k, v in done.describe().items()}))
         except BadSetting as exc:
-            self.core.shared.observer.error(P.E_BAD_SETTING)
+            self.observer.error(P.E_BAD_SETTING)
             await self.send(P.error(P.E_BAD_SETTING, exc.message, V1_NAMES.get(exc.param, exc.param)))
         except Refusal as exc:
             await self.send_error(exc.code, exc.message)

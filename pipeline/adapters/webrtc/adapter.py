@@ -11,9 +11,11 @@ WebSocket adapter, of which this is a subclass. What differs is the audio:
   encoder, less half RTCP's round trip and the receiver's jitter buffer (``JITTER_BUFFER_MS``),
   told to the core as ``Played`` before each microphone frame; ``conversation.item.truncate``
   still works, as on the WebSocket;
-- the server holds the playback buffer here (a WebSocket client holds its own), so speech over a
-  reply that has been sent whole but still plays clears the track too, and its item is truncated
-  to what was heard (``conversation.item.truncated``), as OpenAI's WebRTC server does.
+- the server holds the playback buffer here (a WebSocket client holds its own): the core is told
+  so (``holds_playback``), and whether the track still plays (``Played(playing=...)``), so speech
+  over a reply that has been sent whole but still plays is cut by the core (``PlaybackCut``): the
+  track drops it, the client hears ``output_audio_buffer.cleared`` and, its item truncated to what
+  was heard, ``conversation.item.truncated``, as OpenAI's WebRTC server does.
 """
 from __future__ import annotations
 
@@ -30,13 +32,12 @@ JITTER_BUFFER_MS = 40.0  # what a browser's receiver holds before it plays (Chro
 class WebRTCSession(RealtimeSession):
     def __init__(self, send, backends, cfg=None, session_id=None, smart_turn=None, voices=("default",),
                  model: str = "gapless", observer=None, peer: Peer | None = None, session: dict | None = None):
-        super().__init__(send, backends, cfg, session_id, smart_turn, voices, model, False, observer)
+        super().__init__(send, backends, cfg, session_id, smart_turn, voices, model, False, observer,
+                         holds_playback=True)
         self.peer = peer
         self.initial = session  # the session object the call was made with (multipart "session")
-        self._told: tuple[str | None, float] = (None, 0.0)  # the last Played told to the core
+        self._told: tuple[str | None, float, bool] = (None, 0.0, False)  # the last Played told to the core
         self._speaking: set[str] = set()  # responses whose audio began
-        self._playing: tuple[str, str] | None = None  # (response, item) of audio the track still plays
-        self._speech_over_playing = False  # the user began to speak while the track played a done reply
 
     async def start(self) -> None:
         if self.initial:
@@ -48,53 +49,35 @@ class WebRTCSession(RealtimeSession):
             self.core.touch()
             await self._tell_played()
             await self._hear(frame.pcm)
-            if self._speech_over_playing:
-                await self._stop_playing()
             return
         await super().on_frame(frame)
 
     async def _tell_played(self) -> None:
-        item_id, heard_ms = self._heard_ms()
-        if item_id is not None and heard_ms > 0 and (item_id, heard_ms) != self._told:
-            self._told = (item_id, heard_ms)
-            await self.core.do(C.Played(item_id, heard_ms))
-
-    def _heard_ms(self) -> tuple[str | None, float]:
+        """What the caller heard of the reply on the track, and whether the track still plays."""
         item_id, samples = self.peer.speaker.sent
-        return item_id, 1000 * samples / REPLY_RATE - 500 * self.peer.rtt_s - JITTER_BUFFER_MS
-
-    async def _stop_playing(self) -> None:
-        """Speech over a reply that was sent whole and still plays: the track drops the rest, and
-        the item keeps what was heard."""
-        self._speech_over_playing = False
-        playing, self._playing = self._playing, None
-        if playing is None or self.peer.speaker.idle:
-            return
-        self.peer.speaker.clear()
-        response_id, item_id = playing
-        await self.send({"type": "output_audio_buffer.cleared", "response_id": response_id})
-        sent_item, heard_ms = self._heard_ms()
-        if sent_item == item_id and any(i.id == item_id for i in self.core.history.items):
-            end = max(0, int(heard_ms))
-            await self.core.do(C.Truncate(item_id, end))
-            await self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
-                             "audio_end_ms": end})
+        heard_ms = 1000 * samples / REPLY_RATE - 500 * self.peer.rtt_s - JITTER_BUFFER_MS
+        told = (item_id, heard_ms, not self.peer.speaker.idle)
+        if item_id is not None and heard_ms > 0 and told != self._told:
+            self._told = told
+            await self.core.do(C.Played(*told))
 
     async def emit(self, ev: CE.Event) -> None:
-        if isinstance(ev, CE.SpeechStarted) and self._playing is not None and not self.core.replies.running \
-                and self.core.cfg.barge_in_mode != "off":
-            self._speech_over_playing = True  # acted on once this frame has been heard
         if isinstance(ev, CE.ReplyAudio):
             if ev.reply.id not in self._speaking:
                 self._speaking.add(ev.reply.id)
                 await self.send({"type": "output_audio_buffer.started", "response_id": ev.reply.id})
             self.peer.speaker.push(ev.reply.item_id, ev.pcm)
             return
+        if isinstance(ev, CE.PlaybackCut):
+            self.peer.speaker.clear()
+            await self.send({"type": "output_audio_buffer.cleared", "response_id": ev.reply_id})
+            if ev.audio_end_ms is not None:
+                await self.send({"type": "conversation.item.truncated", "item_id": ev.item_id, "content_index": 0,
+                                 "audio_end_ms": ev.audio_end_ms})
+            return
         if isinstance(ev, CE.ReplyDone) and ev.reply.id in self._speaking:
             self._speaking.discard(ev.reply.id)
             if ev.reply.status != COMPLETED:
                 self.peer.speaker.clear()  # the cut reply stops within the frame being sent
                 await self.send({"type": "output_audio_buffer.cleared", "response_id": ev.reply.id})
-            else:
-                self._playing = (ev.reply.id, ev.reply.item_id)  # sent whole; the track plays it out
         await super().emit(ev)
