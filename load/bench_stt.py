@@ -370,7 +370,7 @@ class Bench:
         for eng in self.engines.values():
             eng.warmup()
         self.warm_s = time.perf_counter() - t
-        self.chunk_ms = int(self.engines["ours"].n_next * 10)
+        self.chunk_ms = int(self.engines["ours"].framing.n_next * 10)
         self.pipes = pipes
         self.runners = {name: (lambda p=p: run_nemo(p, self.audios, args.batch)) for name, p in pipes.items()}
         for name, eng in self.engines.items():

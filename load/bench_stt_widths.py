@@ -85,7 +85,7 @@ def main() -> None:
     widths = [int(w) for w in args.widths.split(",")]
     engine, load_s, warmup_s = build_engine(args, widths)
     cal = calibration(engine)
-    chunk_ms = engine.n_next * engine.hop * 1000 // engine.sample_rate
+    chunk_ms = engine.framing.n_next * engine.framing.hop * 1000 // engine.sample_rate
     pcm = formant_speech(max(30.0, args.steps * chunk_ms / 1000 + 3), seed=0)
     rows = []
     for width in widths:

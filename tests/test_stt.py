@@ -210,7 +210,7 @@ def test_bfloat16_engine(tiny):
     m16 = load_model(bf)
     assert {p.dtype for p in m16.parameters()} == {torch.bfloat16}
     engine = STTEngine(m16, bf)
-    assert engine.caches[0].dtype == engine.hc.dtype == torch.bfloat16
+    assert engine.state.caches[0].dtype == engine.state.hc.dtype == torch.bfloat16
     exact, similarity = 0, []
     for seed in range(5, 11):
         pcm = formant_speech(3.0, seed=seed)
@@ -376,11 +376,11 @@ def test_compile_covers_every_batch_width(tiny):
 def _encoder_layers_at_width(engine: STTEngine, width: int):
     """One call of the engine's (compiled) encoder layers on ``width`` rows of its slot state."""
     idx = torch.arange(width) % engine.num_slots
-    T = engine.out_len
+    T = engine.framing.out_len
     pre = torch.zeros(width, T, engine.enc.d_model)
     pre_len = torch.full((width,), T)
-    caches = [cache.index_select(1, idx) for cache in engine.caches]
-    return engine._layers(pre, pre_len, caches, engine.cache_len.index_select(0, idx), pos=engine.enc_step.positions(T))
+    caches = [cache.index_select(1, idx) for cache in engine.state.caches]
+    return engine._layers(pre, pre_len, caches, engine.state.cache_len.index_select(0, idx), pos=engine.enc_step.positions(T))
 
 
 def test_unrolled_lstm_matches_library(tiny):
@@ -454,7 +454,7 @@ def test_kv_cache_layers_equal_nemo_layers(tiny):
     eng = _engine(tiny)
     assert isinstance(eng.enc_step, KVCacheLayersStep)
     assert isinstance(_engine(tiny, kv_cache=False).enc_step, NemoLayersStep)
-    B, T, d = 3, eng.out_len, enc.d_model
+    B, T, d = 3, eng.framing.out_len, enc.d_model
     gen = torch.Generator().manual_seed(3)
     kv_caches = [torch.zeros((s[0], B, *s[2:])) for s in kv.cache_shapes()]
     ref_caches = [torch.zeros((s[0], B, *s[2:])) for s in ref.cache_shapes()]
@@ -547,7 +547,7 @@ def test_fast_features_and_pre_encode_match_nemo(tiny):
         assert torch.equal(eng._features(x, xl), model.preprocessor(input_signal=x, length=xl)[0])
     # all rows full-length: the masks are skipped; every frame before len // hop is still bitwise NeMo's
     xl = torch.full((3,), w)
-    n = w // eng.hop
+    n = w // eng.framing.hop
     assert torch.equal(eng._features(x, xl, full=True)[..., :n], model.preprocessor(input_signal=x, length=xl)[0][..., :n])
     feats = model.preprocessor(input_signal=x, length=torch.full((3,), w))[0].transpose(1, 2)[:, :121]
     for lengths in (torch.full((3,), 121), torch.tensor([121, 64, 9])):
@@ -588,9 +588,10 @@ def test_a_fork_ends_as_the_stream_would_and_leaves_it_untouched(tiny, cut):
             engine.step()
     forked.fork("s", "copy")
     assert len(forked.active_streams) == 2
-    # every per-slot row the engine keeps (what _reset_slots resets) is the stream's own
+    # every per-slot row the engine keeps (what SlotState.reset resets) is the stream's own
     src, dst = forked._streams["s"].slot, forked._streams["copy"].slot
-    rows = [(c, 1) for c in forked.caches] + [(forked.cache_len, 0), (forked.mel_cache, 0), (forked.hc, 1), (forked.g, 0)]
+    st = forked.state
+    rows = [(c, 1) for c in st.caches] + [(st.cache_len, 0), (st.mel_cache, 0), (st.hc, 1), (st.g, 0)]
     for tensor, dim in rows:
         assert torch.equal(tensor.select(dim, dst), tensor.select(dim, src))
     forked.end("copy")
