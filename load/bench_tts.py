@@ -39,6 +39,7 @@ noise (see :func:`load.isolated_runs.paired`). Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -54,6 +55,7 @@ from pipeline.audio_constants import REPLY_RATE, USER_RATE
 from pipeline.runtime.compile_guard import CompileCounter
 from pipeline.tts.config import TTSConfig
 from pipeline.tts.engine import Segment, TTSEngine
+from pipeline.tts.clip_encoder import mimi_encode
 from pipeline.tts.shape_gate import ShapeGate
 
 PATHS = ("ours", "seed", "compiled_raw")
@@ -106,7 +108,7 @@ def ours(engine: TTSEngine, turns, counter: CompileCounter, args) -> dict:
     context: list[Segment] = []
     for i, (pcm16, text) in enumerate(turns):
         t_end = time.perf_counter()
-        codes = engine.encode_user_audio(pcm16)  # once per user turn, bucketed
+        codes = engine.encoder.encode_user_audio(pcm16)  # once per user turn, bucketed
         rec["encode_ms"].append((time.perf_counter() - t_end) * 1000)
         context.append(Segment(1, f"user {i}", codes))
         bot_codes, _ = run_reply(engine, text, context, t_end, rec)
@@ -211,7 +213,8 @@ def build_engine(args, path: str) -> TTSEngine:
     if path in ("seed", "compiled_raw"):
         # these paths never call the engine's bucketed encode: keep it eager so that warm-up does
         # not spend minutes compiling buckets they do not use (nothing they time runs through it)
-        engine.fns["encode"] = ShapeGate("encode", engine._mimi_encode, None, cfg.slow_step_ms)
+        eager = ShapeGate("encode", functools.partial(mimi_encode, engine.mimi), None, cfg.slow_step_ms)
+        engine.fns["encode"] = engine.encoder.encode_fn = eager
     if path == "seed":
         engine.fns["prefill"] = ShapeGate("prefill", engine.csm.prefill_at, None, cfg.slow_step_ms)  # unused
         engine.prefill = seed_prefill(engine, args.backend)
@@ -261,7 +264,7 @@ def run_path(args) -> dict:
              unseen_shape_calls=engine.stats()["unseen_shape_calls"],
              cudnn_benchmark=bool(torch.backends.cudnn.benchmark) if args.device == "cuda" else None,
              prefill_buckets=list(engine.prefill_buckets) if args.path != "seed" else "raw lengths",
-             encode_buckets=list(engine.encode_buckets) if args.path == "ours" else "raw lengths",
+             encode_buckets=list(engine.encoder.buckets) if args.path == "ours" else "raw lengths",
              torch=torch.__version__, inductor_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     return r
 

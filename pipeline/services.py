@@ -296,8 +296,8 @@ class TTSService:
         """(int16 chunk, codes [n, 32] of the frames that made it) for ``text`` spoken after ``context``
         in ``voice`` (None: the default voice; a name the engine lacks raises KeyError)."""
         t0 = time.perf_counter()
-        profile = self.engine.voice(voice.name, voice.reference) if voice is not None else self.engine.voice()
-        s = await self.thread.open(self.engine.stream, text, self.engine.voice_context(profile, context),
+        profile = self.engine.voices.voice(voice.name, voice.reference) if voice is not None else self.engine.voices.voice()
+        s = await self.thread.open(self.engine.stream, text, self.engine.voices.context(profile, context),
                                    profile.speaker, reference=profile.reference)
         wake = self._wakeups[s] = asyncio.Event()
         samples = 0
@@ -328,7 +328,7 @@ class TTSService:
     async def encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
         """Audio (int16 at ``rate``: a user turn at 16 kHz, a voice clip at 24 kHz) to Mimi codes
         [T, 32], once, for the context."""
-        codes = await self.thread.run(self.engine.encode_audio, pcm, rate)
+        codes = await self.thread.run(self.engine.encoder.encode_audio, pcm, rate)
         self._count_unseen_shapes()
         return codes
 

@@ -253,9 +253,9 @@ def test_a_voice_change_mid_reply_reaches_the_next_clause(backends):
         bots = [seg.text for seg in call["context"] if seg.speaker == 0]
         assert bots == ([" ".join(c["text"] for c in after[:i])] if i else []), (i, bots)
     engine = backends.tts.engine
-    robot = engine.voice("robot")
+    robot = engine.voices.voice("robot")
     rows, _ = engine.prompts.segment_rows(robot.reference)
-    tokens, _ = engine.build_prompt(after[0]["text"], engine.voice_context(robot, after[0]["context"]), robot.speaker,
+    tokens, _ = engine.build_prompt(after[0]["text"], engine.voices.context(robot, after[0]["context"]), robot.speaker,
                                     reference=robot.reference)
     np.testing.assert_array_equal(tokens[: len(rows)], rows)  # the clip's rows lead the prompt
     # the clip was encoded once at start-up, 80 ms a frame: 4.10 s -> 52 frames (by hand)

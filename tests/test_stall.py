@@ -68,7 +68,7 @@ def test_conversation_after_warmup_compiles_nothing(warm, counter):
     prompt_rows = set()
     for turn, (sec, text, frames) in enumerate(zip(user_seconds, replies, user_frames, strict=True)):
         pcm = _speech(sec, seed=turn)
-        codes = engine.encode_user_audio(pcm)
+        codes = engine.encoder.encode_user_audio(pcm)
         assert codes.shape == (frames, 32), (sec, codes.shape)
         context.append(Segment(speaker=1, text=f"user turn {turn}", codes=codes))
         s = engine.stream(text, context=context)
@@ -89,20 +89,20 @@ def test_voices_and_session_clips_compile_nothing(warm, counter):
     nothing compiled and no unseen shape."""
     engine = warm
     compiles, unseen = counter.after_warmup, engine.stats()["unseen_shape_calls"]
-    robot = engine.voice("robot")
+    robot = engine.voices.voice("robot")
     assert robot.speaker == 2 and robot.reference.codes.shape == (52, 32)  # 98 437 samples / 1920 -> 52 (by hand)
-    assert engine.voice("alloy") == engine.voice()  # OpenAI's names speak as the default voice
+    assert engine.voices.voice("alloy") == engine.voices.voice()  # OpenAI's names speak as the default voice
     # (seconds, frames): ceil(seconds / 0.08 s) by hand: 0.93 -> 11.6 -> 12, 1.71 -> 21.4 -> 22, 3.37 -> 42.1 -> 43
     for seconds, frames in ((0.93, 12), (1.71, 22), (3.37, 43)):
         from pipeline.audio import float_to_int16, int16_to_float, resample
 
         clip = float_to_int16(resample(int16_to_float(_speech(seconds, seed=frames)), RATE_16K, 24_000))
-        codes = engine.encode_audio(clip, 24_000)
+        codes = engine.encoder.encode_audio(clip, 24_000)
         assert codes.shape == (frames, 32)
-        own = engine.voice("robot", Segment(0, "my own clip", codes))
+        own = engine.voices.voice("robot", Segment(0, "my own clip", codes))
         assert own.reference.speaker == 2 and own.reference.codes is codes
         for profile in (robot, own):
-            s = engine.stream("Hi there.", engine.voice_context(profile, []), profile.speaker, reference=profile.reference)
+            s = engine.stream("Hi there.", engine.voices.context(profile, []), profile.speaker, reference=profile.reference)
             assert len(list(s)) > 0
     assert counter.after_warmup == compiles
     assert engine.stats()["unseen_shape_calls"] == unseen
@@ -128,7 +128,7 @@ def test_bucketed_encode_equals_plain_encode(warm, samples, frames):
     engine = warm
     wav = (np.random.default_rng(samples).standard_normal(samples) * 0.3).astype(np.float32)
     before = engine.stats()["unseen_shape_calls"]
-    got = engine.encode_wave(wav)
+    got = engine.encoder.encode_wave(wav)
     with torch.inference_mode():
         ref = engine.mimi.encode(torch.from_numpy(wav).view(1, 1, -1))[0].T.numpy()
     assert got.shape == ref.shape == (frames, 32)
@@ -141,4 +141,4 @@ def test_encode_user_audio_resamples_once(warm):
 
     pcm = _speech(1.3, seed=7)
     wav = resample(int16_to_float(pcm), RATE_16K, 24000)
-    np.testing.assert_array_equal(warm.encode_user_audio(pcm), warm.encode_wave(wav))
+    np.testing.assert_array_equal(warm.encoder.encode_user_audio(pcm), warm.encoder.encode_wave(wav))

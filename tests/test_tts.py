@@ -287,7 +287,7 @@ def test_generated_codes_pass_through_as_context(engine):
         pass
     bot = Segment(speaker=0, text="Nice to meet you.", codes=s.codes)
     user_pcm = (np.sin(np.arange(24000) / 24000 * 2 * np.pi * 220) * 8000).astype(np.int16)
-    user_codes = engine.encode(user_pcm)
+    user_codes = engine.encoder.encode(user_pcm)
     assert user_codes.shape == (13, 32) and user_codes.dtype == np.int64
     user = Segment(speaker=1, text="And you too.", codes=user_codes)
 

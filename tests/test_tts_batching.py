@@ -149,7 +149,7 @@ def test_widths_change_every_step_and_nothing_compiles_after_warmup():
         assert set(widths) == {1, 2, 4} and changes >= 4, widths
         with torch.inference_mode():  # as step() runs it
             for width in [1, 4, 2, 4, 1, 2, 1, 4]:  # and a width change at every step
-                engine._decode(engine._generate(width), width)
+                engine.decode(engine.generate(width), width)
         assert counter.total == compiled
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
         assert engine.stats()["unseen_shape_calls"] == 0
