@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.gateway import RayBackends
+from deployments.backends import RayBackends
 from pipeline.services import LocalBackends
 from pipeline.engines import Backends
 

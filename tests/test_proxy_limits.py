@@ -333,9 +333,9 @@ def test_the_gateway_reads_a_body_streamed_to_it_within_the_deadline_and_its_bud
     read there within BODY_TIMEOUT_S (408), at most MAX_BODIES_READING at once (503)."""
     from starlette.requests import Request
 
-    from deployments import gateway
+    from deployments import bodies
 
-    monkeypatch.setattr(gateway, "BODY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(bodies, "BODY_TIMEOUT_S", 0.3)
 
     def request(chunks: list[bytes], stall: bool = False) -> Request:
         async def receive():
@@ -346,24 +346,24 @@ def test_the_gateway_reads_a_body_streamed_to_it_within_the_deadline_and_its_bud
 
     async def read(req: Request, limit: int = 100):
         try:
-            return await gateway._body(req, limit)
-        except gateway.BodyRefused as refused:
+            return await bodies.read_body(req, limit)
+        except bodies.BodyRefused as refused:
             return refused.status, refused.code
 
     async def go():
         whole = await read(request([b"ab", b"cd"]))
         slow = await read(request([b"ab"], stall=True))
         large = await read(request([b"x" * 60, b"x" * 60]))
-        gateway._reading["bodies"] = gateway.MAX_BODIES_READING
+        bodies.reading["bodies"] = bodies.MAX_BODIES_READING
         try:
             busy = await read(request([b"ab"]))
         finally:
-            gateway._reading["bodies"] = 0
+            bodies.reading["bodies"] = 0
         return whole, slow, large, busy
 
     whole, slow, large, busy = asyncio.run(go())
     assert whole == b"abcd" and slow == (408, "body_timeout") and large == (413, "body_too_large")
-    assert busy == (503, "server_busy") and gateway._reading["bodies"] == 0
+    assert busy == (503, "server_busy") and bodies.reading["bodies"] == 0
 
 
 # --- every interpreter of the environment has the callback variable (deployments/door_env.py) ----

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:
-    from pipeline.tts.engine import TTSEngine
 
 
 class TTSStream:
@@ -20,9 +15,10 @@ class TTSStream:
     advance too); a server instead steps the engine in a loop and calls :meth:`take`.
     ``.codes`` ([frames, 32] int64) and ``.frames`` hold the frames whose audio has been taken so
     far (all of them once the iteration ends). ``close()`` ends it early and frees its slot.
+    ``engine``: the TTSEngine that steps it.
     """
 
-    def __init__(self, engine: "TTSEngine", tokens: np.ndarray, mask: np.ndarray, max_frames: int,
+    def __init__(self, engine, tokens: np.ndarray, mask: np.ndarray, max_frames: int,
                  seed: int, temperature: float):
         self._engine = engine
         self.prompt_tokens, self.prompt_mask = tokens, mask
