@@ -318,10 +318,11 @@ def test_a_session_of_wrong_types_at_any_level_is_refused_by_name_never_failing_
                     refused.add(path)
     assert tried > 500
     deep = json.loads("[" * 500 + "]" * 500)  # parses in ~1 KB; merging it into the session recursed out
-    for session in ({"prompt": deep}, {"tools": [{"type": "function", "name": "f", "parameters": {"x": deep}}]}):
+    for session, param in (({"prompt": deep}, "session"),
+                           ({"tools": [{"type": "function", "name": "f", "parameters": {"x": deep}}]}, "tools")):
         with pytest.raises(BadSetting) as too_deep:
             check_opening_session(session, cfg, ("default", "robot"))
-        assert too_deep.value.param == "session" and "levels deep" in too_deep.value.message
+        assert too_deep.value.param == param and "levels deep" in too_deep.value.message
     # wrong types where the protocol has a type are refused there, not accepted
     for path in [("audio",), ("audio", "input"), ("audio", "input", "format", "type"), ("instructions",),
                  ("audio", "input", "turn_detection", "eagerness"), ("tools", 0, "parameters"), ("tool_choice",)]:

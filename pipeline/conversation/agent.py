@@ -160,14 +160,19 @@ def depth(value: Any) -> int:
     return deepest
 
 
+def check_tools_depth(name: str, tools: Any) -> None:
+    """Raises BadSetting where a tool's parameters nest deeper than MAX_SCHEMA_DEPTH."""
+    levels = depth(tools)
+    if levels > MAX_SCHEMA_DEPTH + 3:  # the list, a tool, its parameters: then the schema's own nesting
+        raise BadSetting(name, f"{name}: a tool's parameters nest {levels - 3} levels deep; at most {MAX_SCHEMA_DEPTH}")
+
+
 def _tools(name: str, value: Any, _voices) -> tuple[dict, ...]:
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)) or len(value) > MAX_TOOLS:
         raise BadSetting(name, f"{name} must be a list of at most {MAX_TOOLS} function tools")
-    levels = depth(value)
-    if levels > MAX_SCHEMA_DEPTH + 3:  # the list, a tool, its parameters: then the schema's own nesting
-        raise BadSetting(name, f"{name}: a tool's parameters nest {levels - 3} levels deep; at most {MAX_SCHEMA_DEPTH}")
+    check_tools_depth(name, value)
     size = len(json.dumps(value))
     if size > MAX_TOOLS_CHARS:
         raise BadSetting(name, f"{name} are {size} characters of JSON together; at most {MAX_TOOLS_CHARS}")

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.conversation.agent import MAX_SCHEMA_DEPTH, BadSetting, depth
+from pipeline.conversation.agent import BadSetting, check_tools_depth, depth
 from pipeline.adapters.audio_formats import FORMATS, AudioFormat
 from pipeline.session_config import SessionConfig
 
@@ -38,9 +38,9 @@ BETA_FORMATS = {"pcm16": {"type": "audio/pcm", "rate": 24000}, "g711_ulaw": {"ty
 
 
 # The session object's size as JSON, tools included (a voice clip's audio is not kept in it), and
-# how deeply it nests: a tool's parameters, within a tool, within the tools, within the session.
+# how deeply the rest of it nests (tools: MAX_SCHEMA_DEPTH for their parameters).
 MAX_SESSION_CHARS = 64 * 1024
-MAX_SESSION_DEPTH = MAX_SCHEMA_DEPTH + 4
+MAX_SESSION_DEPTH = 16
 # The keys a session object has (initial() holds them all), and those of its audio sides; any
 # other key of a session.update is dropped, so an update costs what a session is, not what was sent.
 SESSION_KEYS = frozenset({"type", "object", "id", "model", "output_modalities", "instructions", "audio", "tools",
@@ -220,9 +220,10 @@ def read(update: Any, current: dict, server: SessionConfig, beta: bool = False) 
     value checked first by type and range; raises BadSetting naming the first bad one."""
     if not isinstance(update, dict):
         raise BadSetting("session", f"session must be an object, got {type(update).__name__}")
-    if depth(update) > MAX_SESSION_DEPTH:
-        raise BadSetting("session", f"the session object nests {depth(update)} levels deep; at most "
-                                    f"{MAX_SESSION_DEPTH}")
+    check_tools_depth("tools", update.get("tools"))  # before anything copies them
+    levels = depth({k: v for k, v in update.items() if k != "tools"})
+    if levels > MAX_SESSION_DEPTH:
+        raise BadSetting("session", f"the session object nests {levels} levels deep; at most {MAX_SESSION_DEPTH}")
     update = known(from_beta(update) if beta else update)
     clip = ((update.get("audio") or {}).get("output") or {}).pop("voice_clip", None)
     merged = deep_merge(current, update)
