@@ -26,7 +26,6 @@ from deployments.webrtc_routes import WebRTCRoutes
 from pipeline import metrics
 from pipeline.adapters.phone.config import read_phone_section
 from pipeline.adapters.realtime.adapter import RealtimeSession
-from pipeline.adapters.v1 import protocol as P
 from pipeline.adapters.v1.adapter import Session
 from pipeline.adapters.v1.options import refuse_options, session_options
 from pipeline.adapters.webrtc.peer import Peer, read_webrtc_section
@@ -52,6 +51,18 @@ def _app_status(app_name: str):
     return serve.status().applications.get(app_name)
 
 
+def _warn_about_the_door(auth: AuthConfig) -> None:
+    """What an operator must hear at start: the proxy's limits missing, a server open to anyone."""
+    if os.environ.get(proxy_limits.ENV) != proxy_limits.CALLBACK:
+        log.warning("%s is not %s in the environment Ray started in: the HTTP proxy reads WebSocket "
+                    "messages up to uvicorn's 16 MiB before this gateway can refuse them, holds half-sent "
+                    "request heads and reads request bodies without bound (a venv made by scripts/install.sh "
+                    "sets it through a .pth: run `python -m deployments.door_env install`, or export it "
+                    "before `serve run` / `ray start`)", proxy_limits.ENV, proxy_limits.CALLBACK)
+    if auth.mode == "none":
+        log.warning("auth mode none: anyone who can reach this server's port can open sessions")
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1000)
 @serve.ingress(api)
 class Gateway(PhoneRoutes, WebRTCRoutes):
@@ -64,11 +75,7 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
         self.tickets = tickets  # the redeemed-ticket record every gateway replica shares (deployments/tickets.py)
         self.session_cfg, self.limits = read_session_section(dict(session))
-        for code in (P.E_INTERNAL, P.E_NO_FREE_SLOT, P.E_SERVER_BUSY, P.E_IDLE_TIMEOUT, P.E_TURN_TOO_LONG,
-                     P.E_ENGINE_UNAVAILABLE, P.E_AUDIO_TOO_FAST):
-            metrics.ERRORS.labels(code=code).inc(0)
-        for by in ("smart_turn", "silence", "turn_end", "typed", "endpoint", "max_turn"):
-            metrics.TURN_ENDS.labels(by=by).inc(0)
+        metrics.export_gateway_series()  # at 0 from the start, so dashboards and alerts see them
         # This replica's sessions, at most session.max_sessions; the gauge follows its count.
         self.sessions = SessionRegistry(self.limits.max_sessions, on_count=metrics.SESSIONS_ACTIVE.set)
         # v1 sessions are kept resumable in the store every gateway replica shares (deployments/session_store.py)
@@ -82,26 +89,11 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
         self.gate = Gatekeeper(Authenticator(auth_cfg, load_tokens(auth_cfg)),
                                ClientLimits(self.limits.max_sessions_per_client, self.limits.handshakes_per_minute),
                                max_waiting_streams=self.phone.unverified_streams)
-        for code in ("unauthorized", "origin_not_allowed", "host_not_allowed", "too_many_handshakes",
-                     "too_many_sessions"):
-            metrics.HANDSHAKES_REFUSED.labels(code=code).inc(0)
         api.state.gate = self.gate  # the HTTP routes' Host check (_door)
-        if os.environ.get(proxy_limits.ENV) != proxy_limits.CALLBACK:
-            log.warning("%s is not %s in the environment Ray started in: the HTTP proxy reads WebSocket "
-                        "messages up to uvicorn's 16 MiB before this gateway can refuse them, and holds "
-                        "half-sent request heads (a venv made by scripts/install.sh sets it through a .pth: "
-                        "run `python -m deployments.door_env install`, or export it before `serve run` / "
-                        "`ray start`)", proxy_limits.ENV, proxy_limits.CALLBACK)
-        if auth_cfg.mode == "none":
-            log.warning("auth mode none: anyone who can reach this server's port can open sessions")
+        _warn_about_the_door(auth_cfg)
         self._phone_calls()
         self.webrtc = read_webrtc_section(webrtc)
         self.rtc_calls: dict[str, Peer] = {}  # this replica's WebRTC calls (a call is pinned to its replica)
-        for direction in ("in", "out"):  # exported from the start, at 0
-            metrics.WEBRTC_JITTER.labels(direction=direction)
-            metrics.WEBRTC_PACKETS_LOST.labels(direction=direction).inc(0)
-        for reason in ("not_public", "own_host", "name", "transport", "malformed"):
-            metrics.WEBRTC_CANDIDATES_DROPPED.labels(reason=reason).inc(0)
         self._rtc_tasks: set[asyncio.Task] = set()
         # The turn-taking models load here, before the replica is ready, not on a first caller.
         warm_listening()

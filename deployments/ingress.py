@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.websockets import WebSocketDisconnect
 
-from pipeline import errors as P
+from pipeline import errors
 from pipeline import metrics
 from pipeline.door.admission import Refused
 from pipeline.engines import ClientGone
@@ -87,4 +87,4 @@ async def deny(ws: WebSocket, refused: Refused) -> None:
     try:
         await ws.send_denial_response(refusal_response(refused))
     except RuntimeError:
-        await ws.close(code=P.CLOSE_POLICY_VIOLATION)
+        await ws.close(code=errors.CLOSE_POLICY_VIOLATION)

@@ -28,10 +28,6 @@ class PhoneRoutes:
         twilio = carrier_secrets(self.phone.twilio)
         self.twilio_webhook = None if twilio is None else TwilioWebhook(
             twilio[0], self._claim_once, lambda: self.gate.auth.issue()[0], self.phone.replay_window_s)
-        for provider in DIALECTS:  # exported from the start, at 0
-            metrics.CALLS.labels(provider=provider).inc(0)
-            metrics.PHONE_PLAYBACK_DELAY.labels(provider=provider)
-            metrics.PHONE_GAP.labels(provider=provider)
 
     @api.websocket("/v1/phone/{provider}")
     async def phone(self, ws: WebSocket, provider: str) -> None:

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 
 from deployments.bodies import BodyRefused, read_body
 from deployments.ingress import api, refusal_response
-from pipeline import errors as P
+from pipeline import errors
 from pipeline import metrics
 from pipeline.adapters.realtime.adapter import check_opening_session
 from pipeline.adapters.realtime.adapter import refusal as realtime_refusal
@@ -111,6 +111,7 @@ class WebRTCRoutes:
         """A WebRTC call (OpenAI's interface): an SDP offer, raw (application/sdp) or multipart with
         ``sdp`` and ``session``; 201 with the SDP answer and the call's Location. The credential is
         a Bearer token or an ephemeral key from /v1/realtime/client_secrets."""
+        # Over 40 lines as one function: admission, the offer, the answer: each refusal gives the admission back.
         hs = self._call_handshake(request)
         try:
             admission = self.gate.admit(hs)
@@ -121,7 +122,7 @@ class WebRTCRoutes:
         try:
             await self._claim_ticket(hs)
             if self.sessions.full or self.sessions.draining:
-                raise Refused(P.E_SERVER_BUSY, "this server is at its session limit; try again shortly")
+                raise Refused(errors.E_SERVER_BUSY, "this server is at its session limit; try again shortly")
             offer, session = await _offer(request)
             session = _session_of(session, self.session_cfg, self.voices)  # before any peer exists
             peer = Peer(self.webrtc.ice_servers, on_stats=metrics.webrtc_stats, policy=self.webrtc.policy)

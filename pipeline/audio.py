@@ -4,11 +4,19 @@ from __future__ import annotations
 import io
 import wave
 from math import gcd
+from typing import Iterator
 
 import numpy as np
 from scipy.signal import resample_poly  # imported here, not at first use: it takes ~1 s
 
 from pipeline.audio_constants import USER_RATE
+
+
+def pieces(pcm: np.ndarray, size: int = USER_RATE) -> Iterator[np.ndarray]:
+    """``pcm`` in consecutive pieces of at most ``size`` samples: 1 s at the recogniser's rate, the
+    most audio one ``Hear`` command (and one recogniser push) carries."""
+    for start in range(0, len(pcm), size):
+        yield pcm[start:start + size]
 
 
 def int16_to_float(pcm: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from pipeline import errors as P
+from pipeline import errors
 from pipeline.wire import CloseConnection, WireSession
 from pipeline.conversation.observer import Observer
 from pipeline.engines import Backends, ClientGone
@@ -111,6 +111,7 @@ async def serve_connection(conn: Connection, backends: Backends, cfg: SessionCon
     until the client leaves or a limit closes it, and release everything it held. With
     ``resumption`` (and a resumable wire), the session is kept resumable, or resumes the one its
     ``?resume=`` token names."""
+    # Over 40 lines as one function: a connection's life in order, start to end, under one try.
     observer = observer or Observer()
     if registry.full or registry.draining:
         await _refuse_busy(conn, observer, registry.max_sessions, session_class)
@@ -142,8 +143,8 @@ async def serve_connection(conn: Connection, backends: Backends, cfg: SessionCon
         await _close_quietly(conn, session, close.code, close.message, close.close_code, close.reason)
     except Exception as exc:  # noqa: BLE001 - one session's fault closes that session only
         log.exception("session %s failed", session.id)
-        await _close_quietly(conn, session, P.E_INTERNAL, f"session failed: {type(exc).__name__}",
-                             P.CLOSE_INTERNAL_ERROR, "internal error")
+        await _close_quietly(conn, session, errors.E_INTERNAL, f"session failed: {type(exc).__name__}",
+                             errors.CLOSE_INTERNAL_ERROR, "internal error")
     finally:
         try:
             await session.close()
@@ -164,11 +165,11 @@ async def _take_snapshot(conn: Connection, resumption: Resumption, session_class
         received(resumption.query)  # checked before the token is used up
         return await resumption.continuity.take(token, resumption.principal)
     except (ResumeRefused, ValueError) as exc:
-        await _refuse(conn, session_class, P.E_RESUME_REFUSED, str(exc), P.CLOSE_POLICY_VIOLATION, "resume refused")
+        await _refuse(conn, session_class, errors.E_RESUME_REFUSED, str(exc), errors.CLOSE_POLICY_VIOLATION, "resume refused")
     except Exception as exc:  # noqa: BLE001 - the store timed out, or its replica is gone
         log.warning("resume: the session store: %s: %s", type(exc).__name__, exc)
-        await _refuse(conn, session_class, P.E_SERVER_BUSY, "sessions cannot be resumed right now; try again "
-                      "shortly", P.CLOSE_TRY_AGAIN_LATER, "server busy")
+        await _refuse(conn, session_class, errors.E_SERVER_BUSY, "sessions cannot be resumed right now; try again "
+                      "shortly", errors.CLOSE_TRY_AGAIN_LATER, "server busy")
     return False
 
 
@@ -178,20 +179,20 @@ async def _leave(conn: Connection, session: WireSession, keeper: Keeper | None) 
     Or a newer connection resumed the session: this one is told so and closed with 4001."""
     await session.core.stop_replying()
     if session.replaced_by_resume:
-        await _close_quietly(conn, session, P.E_SESSION_REPLACED, "a newer connection resumed this session; "
-                             "this one is closed", P.CLOSE_SESSION_REPLACED, "session resumed elsewhere")
+        await _close_quietly(conn, session, errors.E_SESSION_REPLACED, "a newer connection resumed this session; "
+                             "this one is closed", errors.CLOSE_SESSION_REPLACED, "session resumed elsewhere")
         return
     if keeper is not None:
         await keeper.finish()
     await session.going_away(keeper.token if keeper else None, "server_shutdown")
-    await conn.close(P.CLOSE_SERVICE_RESTART, "server restarting; resume")
+    await conn.close(errors.CLOSE_SERVICE_RESTART, "server restarting; resume")
 
 
 async def _refuse_busy(conn: Connection, observer: Observer, max_sessions: int, session_class: type) -> None:
     """Over the cap (or draining): one error and close 1013, before any session or engine state exists."""
-    observer.error(P.E_SERVER_BUSY)
+    observer.error(errors.E_SERVER_BUSY)
     message = f"this server holds its maximum of {max_sessions} sessions; try again later"
-    await _refuse(conn, session_class, P.E_SERVER_BUSY, message, P.CLOSE_TRY_AGAIN_LATER, "server busy")
+    await _refuse(conn, session_class, errors.E_SERVER_BUSY, message, errors.CLOSE_TRY_AGAIN_LATER, "server busy")
 
 
 async def _refuse(conn: Connection, session_class: type, code: str, message: str, close_code: int,
@@ -233,8 +234,8 @@ async def _receive_loop(conn: Connection, session: WireSession) -> str | None:
             elif leaving in done:
                 return LEAVING
             elif wake not in done and (idle_s := await session.check_deadlines()) is not None:
-                await _close_quietly(conn, session, P.E_IDLE_TIMEOUT, f"nothing sent either way for {idle_s:g} s; "
-                                     "closing", P.CLOSE_NORMAL, "idle timeout")
+                await _close_quietly(conn, session, errors.E_IDLE_TIMEOUT, f"nothing sent either way for {idle_s:g} s; "
+                                     "closing", errors.CLOSE_NORMAL, "idle timeout")
                 return None
     finally:
         leaving.cancel()

@@ -37,6 +37,7 @@ from http.server import ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, MetricsHandler, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the gateway
 
+from pipeline import errors
 from pipeline.door.auth import AuthConfig, bearer, load_tokens
 from pipeline.conversation.observer import Observer
 from pipeline.runtime.private_dir import ensure_private_dir
@@ -189,6 +190,27 @@ def _node_registry(path: str) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(NodeCollector(path))
     return registry
+
+
+def export_gateway_series() -> None:
+    """The gateway's labelled series, exported at 0 from the start (a dashboard's rate and an
+    alert's expression see a series that has not happened yet)."""
+    for code in (errors.E_INTERNAL, errors.E_NO_FREE_SLOT, errors.E_SERVER_BUSY, errors.E_IDLE_TIMEOUT,
+                 errors.E_TURN_TOO_LONG, errors.E_ENGINE_UNAVAILABLE, errors.E_AUDIO_TOO_FAST):
+        ERRORS.labels(code=code).inc(0)
+    for by in ("smart_turn", "silence", "turn_end", "typed", "endpoint", "max_turn"):
+        TURN_ENDS.labels(by=by).inc(0)
+    for code in ("unauthorized", "origin_not_allowed", "host_not_allowed", "too_many_handshakes", "too_many_sessions"):
+        HANDSHAKES_REFUSED.labels(code=code).inc(0)
+    for direction in ("in", "out"):
+        WEBRTC_JITTER.labels(direction=direction)
+        WEBRTC_PACKETS_LOST.labels(direction=direction).inc(0)
+    for reason in ("not_public", "own_host", "name", "transport", "malformed"):
+        WEBRTC_CANDIDATES_DROPPED.labels(reason=reason).inc(0)
+    for provider in ("twilio", "telnyx"):
+        CALLS.labels(provider=provider).inc(0)
+        PHONE_PLAYBACK_DELAY.labels(provider=provider)
+        PHONE_GAP.labels(provider=provider)
 
 
 def exposition() -> bytes:

@@ -37,14 +37,13 @@ BARGE_IN = ("vad", "words", "vad+words", "off")
 
 
 @dataclass
-class SessionConfig:
-    # Audio may lead real time by at most this much (None: send as fast as it is made).
-    pace_lead_s: float | None = 0.3
-    clause_max_words: int = 12
-    # Turn detection (docs/protocol.md, "Turn taking"). "vad": hands-free: the VAD opens a spoken
-    # turn at speech (with vad_preroll_ms before it), and a pause ends it once Smart Turn calls the
-    # turn complete, or after eot_max_silence_ms of silence; turn.end works too. "manual": every
-    # audio frame belongs to a turn, which ends on turn.end (or STT endpointing, or max_turn_s).
+class TurnTaking:
+    """When a user turn starts and ends (docs/protocol.md, "Turn taking"; docs/turn-taking.md)."""
+
+    # "vad": hands-free: the VAD opens a spoken turn at speech (with vad_preroll_ms before it), and
+    # a pause ends it once Smart Turn calls the turn complete, or after eot_max_silence_ms of
+    # silence; turn.end works too. "manual": every audio frame belongs to a turn, which ends on
+    # turn.end (or STT endpointing, or max_turn_s).
     turn_detection: str = "vad"
     vad_threshold: float = 0.5  # Silero speech probability of a 32 ms window that counts as speech
     vad_min_speech_ms: float = 64  # speech.started after this much speech
@@ -58,13 +57,34 @@ class SessionConfig:
     preemptive_generation: bool = False
     # The bot's reply, as sent, is cancelled out of the microphone audio the VAD judges (echo.py).
     echo_cancellation: bool = True
-    # Barge-in: user speech while a reply plays interrupts it. "vad": once the VAD has heard
-    # barge_in_min_speech_ms of speech; "words": once the recogniser hears words (a non-empty
-    # partial) in audio louder than barge_in_min_rms; "vad+words": whichever comes first; "off"
-    # (or false). true means "vad". Speech interrupts from the reply's first chunk: the echo
-    # canceller tells the user from the reply's own echo (echo.py), and words heard while the
-    # microphone may carry the echo interrupt only with VAD speech in the cancelled audio.
-    barge_in: bool | str = "vad"
+
+    def _check_turn_taking(self) -> None:
+        if self.turn_detection not in TURN_DETECTION:
+            raise ValueError(f"SessionConfig.turn_detection must be one of {TURN_DETECTION}, got {self.turn_detection!r}")
+        self.vad_settings  # validates the VAD's threshold and durations
+        if not self.vad_preroll_ms >= 0:
+            raise ValueError(f"SessionConfig.vad_preroll_ms must be >= 0, got {self.vad_preroll_ms!r}")
+        if not 0 <= self.eot_threshold <= 1:
+            raise ValueError(f"SessionConfig.eot_threshold must be in [0, 1], got {self.eot_threshold!r}")
+        if not self.eot_max_silence_ms >= self.vad_min_silence_ms:
+            raise ValueError(f"SessionConfig.eot_max_silence_ms ({self.eot_max_silence_ms!r}) must be >= "
+                             f"vad_min_silence_ms ({self.vad_min_silence_ms!r})")
+
+    @property
+    def vad_settings(self) -> VADSettings:
+        return VADSettings(self.vad_threshold, self.vad_min_speech_ms, self.vad_min_silence_ms)
+
+
+@dataclass
+class BargeIn:
+    """User speech while a reply plays (docs/protocol.md, "Barge-in")."""
+
+    # "vad": once the VAD has heard barge_in_min_speech_ms of speech; "words": once the recogniser
+    # hears words (a non-empty partial) in audio louder than barge_in_min_rms; "vad+words": whichever
+    # comes first; "off". true is read as "vad", false as "off". Speech interrupts from the reply's
+    # first chunk: the echo canceller tells the user from the reply's own echo (echo.py), and words
+    # heard while the microphone may carry the echo interrupt only with VAD speech in the cancelled audio.
+    barge_in: str = "vad"
     barge_in_min_speech_ms: float = 64  # two 32 ms VAD windows: interrupted at speech.started (docs/turn-taking.md)
     # Speech over a reply pauses it instead of ending it until the speech proves a turn: a word that
     # is not a backchannel (partial or final transcript) ends it, as without this; speech that ends
@@ -76,6 +96,24 @@ class SessionConfig:
     # No interruption in the reply's first barge_in_grace_s of audio (0: none; was 0.5 s before the
     # echo canceller's check made it unneeded; kept for clients that want one).
     barge_in_grace_s: float = 0.0
+
+    def _check_barge_in(self) -> None:
+        if isinstance(self.barge_in, bool):  # the yaml's and a client's true / false
+            self.barge_in = "vad" if self.barge_in else "off"
+        if self.barge_in not in BARGE_IN:
+            raise ValueError(f"SessionConfig.barge_in must be one of {BARGE_IN} or a bool, got {self.barge_in!r}")
+        for name in ("barge_in_min_speech_ms", "barge_in_grace_s", "barge_in_min_rms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SessionConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass
+class Replying:
+    """How a reply is made and sent, and what it remembers."""
+
+    # Audio may lead real time by at most this much (None: send as fast as it is made).
+    pace_lead_s: float | None = 0.3
+    clause_max_words: int = 12
     # CSM context: the last N turns with audio (user audio encoded once, bot codes as generated).
     context_turns: int = 6
     # The conversation history a session keeps (docs/protocol.md, "Session limits"): past this many
@@ -85,8 +123,24 @@ class SessionConfig:
     # (history_tokens: 1024 tokens, some 4000 characters, by default; at most max_context_tokens):
     # this bounds what a long session sends and costs, with room to spare for larger budgets.
     max_history_chars: int = 64_000
-    # Limits (docs/protocol.md, "Session limits"). No frame either way for this long closes the
-    # session (idle_timeout, close 1000).
+    # Tool calls (docs/agents.md): a call without a result this long ends, and the reply says so.
+    tool_timeout_s: float = 30.0
+    tool_timeout_reply: str = "Sorry, I could not get that answer."
+
+    def _check_replying(self) -> None:
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"SessionConfig.tool_timeout_s must be > 0, got {self.tool_timeout_s!r}")
+        if isinstance(self.max_history_chars, bool) or not isinstance(self.max_history_chars, int) \
+                or self.max_history_chars <= 0:
+            raise ValueError(f"SessionConfig.max_history_chars must be an integer > 0, "
+                             f"got {self.max_history_chars!r}")
+
+
+@dataclass
+class SessionLimits:
+    """What one session may cost (docs/protocol.md, "Session limits")."""
+
+    # No frame either way for this long closes the session (idle_timeout, close 1000).
     idle_timeout_s: float = 300.0
     # A spoken turn ends (turn_too_long, then its transcript) once its recognised audio reaches this
     # length, or this long after it took its STT slot: bounds the buffered audio and the slot's hold.
@@ -106,48 +160,31 @@ class SessionConfig:
     # An engine call, or the next item of an engine stream, that takes longer fails with
     # engine_unavailable (a dead or unreachable replica is never heard as silence).
     engine_timeout_s: float = 1.5
-    # Tool calls (docs/agents.md): a call without a result this long ends, and the reply says so.
-    tool_timeout_s: float = 30.0
-    tool_timeout_reply: str = "Sorry, I could not get that answer."
-    def __post_init__(self) -> None:
-        for name in ("idle_timeout_s", "max_turn_s", "engine_timeout_s", "tool_timeout_s", "max_audio_rate",
-                     "audio_burst_s", "max_replies_per_minute", "replies_burst"):
+
+    def _check_limits(self) -> None:
+        for name in ("idle_timeout_s", "max_turn_s", "engine_timeout_s", "max_audio_rate", "audio_burst_s",
+                     "max_replies_per_minute", "replies_burst"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if isinstance(self.max_history_chars, bool) or not isinstance(self.max_history_chars, int) \
-                or self.max_history_chars <= 0:
-            raise ValueError(f"SessionConfig.max_history_chars must be an integer > 0, "
-                             f"got {self.max_history_chars!r}")
-        for name in ("slot_retry_s",):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"SessionConfig.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.turn_detection not in TURN_DETECTION:
-            raise ValueError(f"SessionConfig.turn_detection must be one of {TURN_DETECTION}, got {self.turn_detection!r}")
-        if self.barge_in_mode not in BARGE_IN:
-            raise ValueError(f"SessionConfig.barge_in must be one of {BARGE_IN} or a bool, got {self.barge_in!r}")
-        self.vad_settings  # validates the VAD's threshold and durations
-        for name in ("vad_preroll_ms", "barge_in_min_speech_ms", "barge_in_grace_s", "barge_in_min_rms"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"SessionConfig.{name} must be >= 0, got {getattr(self, name)!r}")
-        if not 0 <= self.eot_threshold <= 1:
-            raise ValueError(f"SessionConfig.eot_threshold must be in [0, 1], got {self.eot_threshold!r}")
-        if not self.eot_max_silence_ms >= self.vad_min_silence_ms:
-            raise ValueError(f"SessionConfig.eot_max_silence_ms ({self.eot_max_silence_ms!r}) must be >= "
-                             f"vad_min_silence_ms ({self.vad_min_silence_ms!r})")
+        if not self.slot_retry_s >= 0:
+            raise ValueError(f"SessionConfig.slot_retry_s must be >= 0, got {self.slot_retry_s!r}")
 
-    @property
-    def barge_in_mode(self) -> str:
-        if isinstance(self.barge_in, bool):
-            return "vad" if self.barge_in else "off"
-        return self.barge_in
 
-    @property
-    def vad_settings(self) -> VADSettings:
-        return VADSettings(self.vad_threshold, self.vad_min_speech_ms, self.vad_min_silence_ms)
+@dataclass
+class SessionConfig(SessionLimits, Replying, BargeIn, TurnTaking):
+    """A session's settings, one concern a group (:class:`TurnTaking`, :class:`BargeIn`,
+    :class:`Replying`, :class:`SessionLimits`); each key is a field of its own, so every key the
+    serve configs' ``session:`` section takes is a keyword here."""
+
+    def __post_init__(self) -> None:
+        self._check_turn_taking()
+        self._check_barge_in()
+        self._check_replying()
+        self._check_limits()
 
     @property
     def uses_vad(self) -> bool:
-        return self.turn_detection == "vad" or "vad" in self.barge_in_mode or self.vad_events
+        return self.turn_detection == "vad" or "vad" in self.barge_in or self.vad_events
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import pytest
 from pipeline.door.auth import AuthConfig
 from pipeline.llm.config import LLMConfig
 from pipeline.adapters.phone.config import CarrierAccount, PhoneConfig
-from pipeline.adapters.realtime.settings import SESSION_KEYS
+from pipeline.adapters.realtime.session_object import SESSION_KEYS
 from pipeline.session_config import LIMIT_NAMES, SETTING_NAMES, ReplicaLimits, SessionConfig
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig

@@ -18,6 +18,7 @@ from pipeline.conversation.agent import AgentSettings, BadSetting
 from pipeline.conversation import commands as C
 from pipeline.engines import Voice
 from pipeline.llm.config import LLMConfig
+from tests.slow_llm import slowed
 from pipeline.adapters.realtime.adapter import RealtimeSession
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService
 from pipeline.adapters.v1.adapter import Session
@@ -37,8 +38,8 @@ TTS = TTSConfig.tiny(voices={"robot": ROBOT})
 @pytest.fixture(scope="module")
 def engines():
     # A slow LLM (20 ms a token): a reply's later clauses are still to come while its first one plays.
-    return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
-                               LLMConfig.tiny(max_output_tokens=40, token_delay_s=0.02), TTS)
+    return slowed(LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
+                               LLMConfig.tiny(max_output_tokens=40), TTS), 0.02)
 
 
 @pytest.fixture
@@ -111,19 +112,19 @@ def test_updates_merge_and_map_onto_the_core(backends):
         wire = Wire()
         s = RealtimeSession(wire, backends, SessionConfig(), voices=TTS.voice_names())
         await s.start()
-        seen = {"created": (s.core.shared.cfg.turn_detection, s.core.shared.cfg.eot_threshold, s.core.shared.cfg.barge_in_mode)}
+        seen = {"created": (s.core.shared.cfg.turn_detection, s.core.shared.cfg.eot_threshold, s.core.shared.cfg.barge_in)}
         await send(s, type="session.update", session={"instructions": "Be a pirate.", "audio": {"input": {
             "turn_detection": {"type": "server_vad", "silence_duration_ms": 350, "threshold": 0.6,
                                "prefix_padding_ms": 120, "interrupt_response": False, "create_response": False}}}})
         seen["server_vad"] = (s.core.shared.cfg.turn_detection, s.core.shared.cfg.vad_min_silence_ms, s.core.shared.cfg.vad_threshold, s.core.shared.cfg.vad_preroll_ms,
-                              s.core.shared.cfg.eot_threshold, s.core.shared.cfg.barge_in_mode, s.core.shared.reply_on_turn_end)
+                              s.core.shared.cfg.eot_threshold, s.core.shared.cfg.barge_in, s.core.shared.reply_on_turn_end)
         await send(s, type="session.update", session={"audio": {"output": {"voice": "robot"}}})
         seen["merged"] = (s.core.shared.agent.instructions, s.core.shared.agent.voice, s.core.shared.cfg.vad_min_silence_ms)
         await send(s, type="session.update", session={"audio": {"input": {"turn_detection": {
             "type": "semantic_vad", "eagerness": "high"}}}})
-        seen["semantic_vad"] = (s.core.shared.cfg.turn_detection, s.core.shared.cfg.eot_threshold, s.core.shared.cfg.eot_max_silence_ms, s.core.shared.cfg.barge_in_mode)
+        seen["semantic_vad"] = (s.core.shared.cfg.turn_detection, s.core.shared.cfg.eot_threshold, s.core.shared.cfg.eot_max_silence_ms, s.core.shared.cfg.barge_in)
         await send(s, type="session.update", session={"audio": {"input": {"turn_detection": None}}})
-        seen["null"] = (s.core.shared.cfg.turn_detection, s.core.shared.cfg.barge_in_mode, s.core.shared.cfg.vad_events)
+        seen["null"] = (s.core.shared.cfg.turn_detection, s.core.shared.cfg.barge_in, s.core.shared.cfg.vad_events)
         before = (s.describe(), s.core.shared.agent, s.core.shared.cfg)
         await send(s, type="session.update", event_id="bad-1", session={
             "instructions": "Changed?", "audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 7}}}})
@@ -292,7 +293,7 @@ def test_a_session_of_wrong_types_at_any_level_is_refused_by_name_never_failing_
     check serves session.update and a call's session (an offer's, a client secret's)."""
     from pipeline.adapters.realtime.adapter import check_opening_session, refusal
     from pipeline.adapters.realtime.client_events import ClientEventError
-    from pipeline.adapters.realtime.settings import initial
+    from pipeline.adapters.realtime.session_object import initial
 
     cfg = SessionConfig()
     full = initial("sess_1", "gapless", cfg)

@@ -12,6 +12,7 @@ from pipeline.door.auth import AuthConfig, Authenticator
 from pipeline.connection import Resumption, SessionRegistry, serve_connection
 from pipeline.resume.keeper import Continuity
 from pipeline.llm.config import LLMConfig
+from tests.slow_llm import slowed
 from pipeline.conversation.snapshot import Snapshot
 from pipeline.resume.tokens import BAD_TOKEN, EXPIRED, TAKEN, LocalSnapshots, ResumeRefused, SnapshotStore, new_token
 from pipeline.services import LocalBackends
@@ -111,8 +112,8 @@ def test_principals_follow_credentials_through_tickets():
 # ---------------------------------------------------------------------------- sessions that resume
 @pytest.fixture(scope="module")
 def engines():
-    return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
-                               LLMConfig.tiny(token_delay_s=0.02, max_output_tokens=60), TTSConfig.tiny())
+    return slowed(LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
+                               LLMConfig.tiny(max_output_tokens=60), TTSConfig.tiny()), 0.02)
 
 
 def SessionConfig(**settings) -> _SessionConfig:

@@ -15,6 +15,7 @@ from pipeline.audio import speech_like
 from pipeline.conversation.observer import Observer
 from pipeline.connection import ClientGone, SessionRegistry, serve_connection
 from pipeline.llm.config import LLMConfig
+from tests.slow_llm import slowed
 from pipeline.runtime.threads import InferenceThread
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService, load_stt
 from pipeline.adapters.v1.adapter import Session
@@ -34,9 +35,9 @@ def SessionConfig(**settings) -> _SessionConfig:
 def engines():
     # A deliberately slow LLM (20 ms per token) so that the reply outlasts its first clause.
     # No endpointing: on random weights a run of blanks comes by chance and would split turns.
-    return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
-                               LLMConfig.tiny(token_delay_s=0.02, max_output_tokens=40),
-                               TTSConfig.tiny())
+    return slowed(LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
+                               LLMConfig.tiny(max_output_tokens=40),
+                               TTSConfig.tiny()), 0.02)
 
 
 def _fresh(engines, stt: STTService | None = None) -> LocalBackends:
@@ -467,7 +468,7 @@ def test_max_turn_s_ends_a_long_turn(backends):
         buffered = []
         for i in range(0, len(speech), 4800):  # 0.3 s frames: the seventh crosses 2 s
             await s.on_frame(P.client_audio(speech[i : i + 4800]))
-            buffered.append(sum(len(a) for a in s.core.turns.heard.audio))
+            buffered.append(sum(len(a) for a in s.core.turns.user_turn.audio))
         held_after_cap = _active(backends)
         await s.on_frame(P.client_turn_end())
         await rec.wait(_done(2))

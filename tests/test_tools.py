@@ -16,6 +16,7 @@ from pipeline.adapters.v1 import protocol as P
 from pipeline.engines import LLMFinish, Sampling, ToolCall
 from pipeline.llm import make_llm
 from pipeline.llm.config import LLMConfig
+from tests.slow_llm import slowed
 from pipeline.llm.constraint import CallConstraint
 from pipeline.llm.tool_calls import ToolCallParser
 from pipeline.runtime.threads import InferenceThread
@@ -231,8 +232,8 @@ def test_openai_backend_assembles_calls_from_deltas_and_a_slow_upstream_holds_no
 # ----------------------------------------------------------------------------- the flow in a session
 @pytest.fixture(scope="module")
 def engines():
-    return LocalBackends.build(STTConfig.tiny(num_slots=2, endpoint_ms=None), LLMConfig.tiny(token_delay_s=0.01),
-                               TTSConfig.tiny())
+    return slowed(LocalBackends.build(STTConfig.tiny(num_slots=2, endpoint_ms=None), LLMConfig.tiny(),
+                               TTSConfig.tiny()), 0.01)
 
 
 @pytest.fixture

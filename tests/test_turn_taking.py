@@ -16,6 +16,7 @@ from pipeline.conversation.observer import Observer
 from pipeline.conversation.ears.echo import EchoCanceller
 from pipeline.conversation.ears.listening import Listener
 from pipeline.llm.config import LLMConfig
+from tests.slow_llm import slowed
 from pipeline.services import LocalBackends
 from pipeline.adapters.v1.adapter import Session
 from pipeline.session_config import SessionConfig
@@ -126,7 +127,7 @@ def _listen(mic: np.ndarray, reply_24k: np.ndarray | None, echo_cancellation: bo
     ears = Listener(VADSettings(), echo_cancellation=echo_cancellation)
     if reply_24k is not None:
         for i in range(0, len(reply_24k), 1920):
-            ears.played(reply_24k[i:i + 1920])
+            ears.reference(reply_24k[i:i + 1920])
     events = []
     for i in range(0, len(mic), frame):
         events += ears.hear(mic[i:i + frame].astype(np.int16))
@@ -168,7 +169,7 @@ def _listen_paced(mic: np.ndarray, reply_24k: np.ndarray, lead_s: float = 0.3, f
     events, sent = [], 0
     for i in range(0, len(mic), frame):
         while sent < len(reply_24k) and sent / 24_000 < i / RATE + lead_s:
-            ears.played(reply_24k[sent:sent + 1920])
+            ears.reference(reply_24k[sent:sent + 1920])
             sent += 1920
         events += ears.hear(np.clip(mic[i:i + frame], -32768, 32767).astype(np.int16))
     return events, ears
@@ -208,8 +209,8 @@ def test_echo_canceller_passes_audio_untouched_when_nothing_plays(sentence):
 # ----------------------------------------------------------------------------- sessions
 @pytest.fixture(scope="module")
 def engines():
-    return LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
-                               LLMConfig.tiny(token_delay_s=0.02, max_output_tokens=40), TTSConfig.tiny())
+    return slowed(LocalBackends.build(STTConfig.tiny(num_slots=4, endpoint_ms=None),
+                               LLMConfig.tiny(max_output_tokens=40), TTSConfig.tiny()), 0.02)
 
 
 class Recorder:
@@ -406,8 +407,8 @@ def test_turn_taking_settings_are_validated():
                 {"barge_in_min_speech_ms": -5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SessionConfig(**bad)
-    assert SessionConfig(barge_in=True).barge_in_mode == "vad"
-    assert SessionConfig(barge_in=False).barge_in_mode == "off"
+    assert SessionConfig(barge_in=True).barge_in == "vad"  # the yaml's true / false, read as the modes
+    assert SessionConfig(barge_in=False).barge_in == "off"
 
 
 def test_person_is_heard_at_once_when_there_is_no_echo(bot_reply):

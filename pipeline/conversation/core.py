@@ -38,7 +38,7 @@ from pipeline.conversation.observer import Observer
 from pipeline.conversation.playback import Ending, Playback
 from pipeline.conversation.replies import Replies, says_something
 from pipeline.conversation.reply import CANCELLED as REPLY_CANCELLED, COMPLETED
-from pipeline.conversation.settings import Settings
+from pipeline.conversation.configurator import Configurator
 from pipeline.conversation.shared import Shared
 from pipeline.conversation.snapshot import Snapshot
 from pipeline.conversation.speculation import CANCELLED, Speculator
@@ -62,17 +62,17 @@ class Conversation:
         self.changed = asyncio.Event()  # what a resumed conversation would start from changed
         self.wake = wake or asyncio.Event()  # a deadline moved between frames: the receive loop looks again
         self._client_emit = emit
-        settings = lambda: self.shared.cfg  # noqa: E731 - the settings now (a client may change them)
+        cfg_now = lambda: self.shared.cfg  # noqa: E731 - the session's settings now (a client may change them)
         self.shared = s = Shared(self.id, backends, self._emit, observer or Observer(), clock, voices, cfg,
                                  History(max_chars=cfg.max_history_chars, on_change=self.changed.set),
-                                 VoiceContext(backends, settings, self.changed.set, self.id), changed=self.changed)
-        self.turns = TurnTaker(backends, self.id, settings, clock, s.emit, s.error, smart_turn, s.observer.smart_turn)
+                                 VoiceContext(backends, cfg_now, self.changed.set, self.id), changed=self.changed)
+        self.turns = TurnTaker(backends, self.id, cfg_now, clock, s.emit, s.error, smart_turn, s.observer.smart_turn)
         self.tools = ToolFlow(s)
         self.speculator = Speculator(backends.llm_stream, lambda: s.cfg.engine_timeout_s, s.observer.speculation)
         self.replies = Replies(s, self.tools, self.speculator, lambda: self.turns.ears, self.wake)
         self.user_turns = UserTurns(s, self.turns, self.replies, self.speculator)
         self.items = Items(s, self.turns, self.replies)
-        self.settings = Settings(s, self.turns)
+        self.configurator = Configurator(s, self.turns)
         self.playback = Playback(holds_playback)
         self.keypad = Keypad()
         self._last_activity_at = clock()  # last frame either way (the idle clock)
@@ -81,6 +81,7 @@ class Conversation:
 
     async def do(self, command: C.Command) -> Any:
         """Carry out one command; raises BadSetting or Refusal, changing nothing, when refused."""
+        # Over 40 lines as one function: one case per command: the command table of docs/conversation.md.
         turns, items = self.user_turns, self.items
         match command:
             case C.Hear(pcm):
@@ -109,7 +110,7 @@ class Conversation:
             case C.ToolResult(call_id, output, then):
                 return C.Added(*items.added(await self.replies.tool_result(call_id, output, then), None))
             case C.Configure(turn_taking, agent, reply_on_turn_end, voice_clip, greet):
-                done = await self.settings.configure(turn_taking, agent, reply_on_turn_end, voice_clip)
+                done = await self.configurator.configure(turn_taking, agent, reply_on_turn_end, voice_clip)
                 if greet:
                     await turns.respond()
                 return done
@@ -158,10 +159,10 @@ class Conversation:
             await self._peeked()
 
     async def _decided(self, d) -> None:
-        replies, cfg, heard = self.replies, self.shared.cfg, self.turns.heard
+        replies, cfg, turn = self.replies, self.shared.cfg, self.turns.user_turn
         if isinstance(d, SpeechOver):
             if replies.interruptible():
-                await replies.barge_in(heard.partial)
+                await replies.barge_in(turn.partial)
             elif not replies.running and (playing := self.playback.cuttable()) is not None:
                 await self._cut_playback(*playing)
             if self.tools.waiting:  # the user speaks over a pending tool call: it is not waited for any more
@@ -171,7 +172,7 @@ class Conversation:
                 await replies.interrupt(send_done=True)  # words: a turn, not a backchannel
             elif d.may_barge_in and replies.interruptible():
                 await replies.barge_in(d.text)
-            await self.shared.emit(TranscriptDelta(self.shared.turn + 1, heard.item_id, d.delta, d.text))
+            await self.shared.emit(TranscriptDelta(self.shared.turn + 1, turn.item_id, d.delta, d.text))
         elif isinstance(d, SpeakingOn):
             await self.speculator.drop(CANCELLED)  # the user speaks on
         elif isinstance(d, Pause) and cfg.preemptive_generation and self.shared.reply_on_turn_end \
@@ -234,7 +235,7 @@ class Conversation:
         """When :meth:`check_deadlines` next has work: the open turn's ``max_turn_s``, the end of a
         hands-free pause, a tool call's filler or timeout, a call's end, or the idle limit."""
         ending = self.playback.due(self.shared.clock(), self.replies.running)
-        return min(t for t in (self._idle_deadline(), self.turns.turn_deadline(), self.turns.heard.eot_deadline,
+        return min(t for t in (self._idle_deadline(), self.turns.turn_deadline(), self.turns.user_turn.eot_deadline,
                                self.tools.deadline(), ending) if t is not None)
 
     async def check_deadlines(self) -> float | None:

@@ -62,7 +62,7 @@ class Replies:
         """The client played the running reply up to ``audio_ms``; later reports only move it on."""
         reply = self.reply
         if reply is not None and reply.running and reply.item_id == item_id:
-            reply.heard = max(reply.heard or 0, min(int(audio_ms * REPLY_RATE / 1000), reply.samples))
+            reply.played = max(reply.played or 0, min(int(audio_ms * REPLY_RATE / 1000), reply.samples))
 
     def interruptible(self) -> bool:
         if not self.running:
@@ -147,16 +147,16 @@ class Replies:
         calls = [item for item in map(history.call, (c.call_id for c in reply.calls)) if item is not None]
         if not (said or (not calls and history.last is not None and history.last.role == "user")):
             return
-        heard = reply.status == CANCELLED and reply.heard is not None
-        text = reply.said if heard else said  # all it sent, then cut to what was heard
+        cut = reply.status == CANCELLED and reply.played is not None
+        text = reply.said if cut else said  # all it sent, then cut to what was heard
         item = Item("assistant", text, id=reply.item_id, audio=bool(reply.spoken), clauses=list(reply.spoken),
                     audio_samples=reply.samples)
         if reply.codes and text:
             item.segment = Segment(BOT_SPEAKER, text, np.concatenate(reply.codes))
             self.shared.context.add(item.segment)
         history.add(item, before=calls[0].id if calls else None)  # what it said, then its calls
-        if heard and item.audio:
-            history.truncate(item, 1000 * min(reply.heard, reply.samples) / REPLY_RATE)  # what was heard
+        if cut and item.audio:
+            history.truncate(item, 1000 * min(reply.played, reply.samples) / REPLY_RATE)  # what was heard
 
     async def _done(self, reply: Reply) -> None:
         """The reply ended; the turn's response ends with it unless tool results are awaited."""
@@ -235,7 +235,7 @@ class Replies:
         await self.shared.emit(ReplyAudio(reply, pcm, self._seq))
         self._seq += 1
         if (ears := self.ears()) is not None:
-            ears.played(pcm)
+            ears.reference(pcm)
 
     async def reply_error(self, reply: Reply, code: str, message: str) -> None:
         await self.shared.error(code, message)

@@ -76,7 +76,7 @@ class Reply:
         self.first_audio_at: float | None = None
         self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens, where the LLM told
         self.marks: dict[str, float] = {}  # ms after the reply started: llm_first_token, first_clause, first_audio
-        self.heard: int | None = None  # samples the client reports it played (None: not reported)
+        self.played: int | None = None  # samples the client reports it played (None: not reported)
         self.done_sent = False
         self.remembered = False  # its history item has been added
         self.task: asyncio.Task | None = None
@@ -121,8 +121,8 @@ class Reply:
         what it played); else all the LLM wrote."""
         if self.status != CANCELLED:
             return self.text.strip()
-        heard = self.samples if self.heard is None else self.heard
-        return " ".join(clause for start, clause in self.spoken if start < heard)
+        played = self.samples if self.played is None else self.played
+        return " ".join(clause for start, clause in self.spoken if start < played)
 
     # ------------------------------------------------------------------ text
     async def _run(self) -> None:
@@ -153,6 +153,7 @@ class Reply:
         await self.host.reply_ended(self)
 
     async def _generate(self) -> None:
+        # Over 40 lines as one function: the LLM stream's one loop (text, tool calls, its end) and the state it keeps.
         host, cfg = self.host, self.host.cfg
         started = host.clock()
         clauses: asyncio.Queue[str | None] = asyncio.Queue()
@@ -215,6 +216,7 @@ class Reply:
         :meth:`_synthesize` makes it as fast as the TTS goes: the next clause's synthesis starts
         when the previous clause is made, not when it has been played, so a clause boundary is
         never dead air while the TTS runs faster than real time."""
+        # Over 40 lines as one function: the pacing loop and the state it keeps between chunks.
         host, cfg = self.host, self.host.cfg
         chunks: asyncio.Queue = asyncio.Queue()  # bounded by the reply: its clauses' frames
         synthesis = asyncio.create_task(self._synthesize(clauses, chunks))

@@ -57,7 +57,7 @@ class TurnOver:
 
 
 @dataclass(frozen=True)
-class Heard:
+class Transcript:
     """A spoken turn, concluded: its transcript, word times and audio (None: none was kept)."""
 
     text: str
@@ -69,12 +69,12 @@ Decision = SpeechOver | Words | Pause | SpeakingOn | TurnOver
 
 
 class TurnTaker:
-    def __init__(self, backends: Backends, stream_id: str, settings: Callable[[], SessionConfig],
+    def __init__(self, backends: Backends, stream_id: str, cfg_now: Callable[[], SessionConfig],
                  clock: Callable[[], float], emit: Emit, error: Callable[[str, str], Awaitable[None]],
                  smart_turn=None, observe_smart_turn: Callable[[float], None] = lambda s: None):
-        self.settings, self.clock, self.emit, self.error = settings, clock, emit, error
-        cfg = settings()
-        self.recogniser = Recogniser(backends, stream_id, settings, clock, error)
+        self.cfg_now, self.clock, self.emit, self.error = cfg_now, clock, emit, error
+        cfg = cfg_now()
+        self.recogniser = Recogniser(backends, stream_id, cfg_now, clock, error)
         self.smart_turn = smart_turn
         self.observe_smart_turn = observe_smart_turn
         self.ears: Listener | None = None
@@ -82,10 +82,10 @@ class TurnTaker:
         self.allowance = Allowance(cfg.max_audio_rate, cfg.audio_burst_s, clock)  # audio seconds
         self.ended_by_server = False  # hands-free: the last spoken turn was ended by the server, no speech since
         self.eot_probabilities: list[float] = []  # Smart Turn's last verdicts (at most 100), for tests and tools
-        self.heard_s = 0.0  # user audio heard since the last turn ended
+        self.audio_s = 0.0  # user audio heard since the last turn ended
 
     @property
-    def heard(self) -> UserTurn:
+    def user_turn(self) -> UserTurn:
         """The spoken turn being heard (or the next one's id, before it starts)."""
         return self.recogniser.turn
 
@@ -105,10 +105,10 @@ class TurnTaker:
         """One microphone frame: the ears hear it first (speech events go out); then it goes to the
         open turn, or opens one (any audio in manual mode, speech with its pre-roll hands-free);
         then a pause may end the turn. Audio faster than the allowance is dropped, told once."""
-        cfg = self.settings()
+        cfg = self.cfg_now()
         if not await self._paid(len(pcm) / USER_RATE, cfg):
             return
-        self.heard_s += len(pcm) / USER_RATE
+        self.audio_s += len(pcm) / USER_RATE
         if self.ears is None:
             async for decision in self._audio(pcm, cfg):
                 yield decision
@@ -117,10 +117,10 @@ class TurnTaker:
         if cfg.vad_events:
             for ev in events:
                 kind = SpeechStarted if ev.kind == "speech.started" else SpeechStopped
-                await self.emit(kind(1000 * ev.sample / USER_RATE, self.heard.item_id))
-        if "vad" in cfg.barge_in_mode and self.ears.vad.speech_ms >= cfg.barge_in_min_speech_ms:
+                await self.emit(kind(1000 * ev.sample / USER_RATE, self.user_turn.item_id))
+        if "vad" in cfg.barge_in and self.ears.vad.speech_ms >= cfg.barge_in_min_speech_ms:
             yield SpeechOver()
-        if cfg.turn_detection == "manual" or self.heard.open:
+        if cfg.turn_detection == "manual" or self.user_turn.open:
             turn_audio = pcm
         else:
             onset = next((ev.sample for ev in events if ev.kind == "speech.started"), None)
@@ -130,7 +130,7 @@ class TurnTaker:
         if turn_audio is not None:
             async for decision in self._audio(turn_audio, cfg):
                 yield decision
-        if cfg.turn_detection == "vad" and self.heard.open:
+        if cfg.turn_detection == "vad" and self.user_turn.open:
             async for decision in self._pause(events, cfg):
                 yield decision
 
@@ -148,29 +148,29 @@ class TurnTaker:
         max_turn_s ends it there; the rest of that frame starts the next turn."""
         max_samples = max(1, int(cfg.max_turn_s * USER_RATE))
         while pcm.size:
-            if not self.heard.open:
+            if not self.user_turn.open:
                 self.ended_by_server = False
                 await self.recogniser.begin()
-            elif not self.heard.holds_slot:
+            elif not self.user_turn.holds_slot:
                 await self.recogniser.retry()
-            if not self.heard.holds_slot:
+            if not self.user_turn.holds_slot:
                 return  # a refused turn: its audio is dropped
-            room = max_samples - self.heard.samples
+            room = max_samples - self.user_turn.samples
             for ev in await self.recogniser.push(pcm[:room]):
                 if ev["kind"] == "partial" and ev["text"]:
-                    self.heard.partial += ev["text"]
-                    yield Words(ev["text"], self.heard.partial, self._may_barge_in_by_words(cfg))
+                    self.user_turn.partial += ev["text"]
+                    yield Words(ev["text"], self.user_turn.partial, self._may_barge_in_by_words(cfg))
                 elif ev["kind"] == "endpoint":
                     yield TurnOver("endpoint")
                     break
             pcm = pcm[room:]
-            if self.heard.open and self.heard.samples >= max_samples:
+            if self.user_turn.open and self.user_turn.samples >= max_samples:
                 yield TurnOver("max_turn")
 
     def _may_barge_in_by_words(self, cfg: SessionConfig) -> bool:
         """Words from loud enough audio, unless the microphone may carry the reply's echo (the
         recogniser hears the raw audio) and the VAD, judging the echo-cancelled audio, hears none."""
-        if not ("words" in cfg.barge_in_mode and self.heard.loud and self.heard.partial.strip()):
+        if not ("words" in cfg.barge_in and self.user_turn.loud and self.user_turn.partial.strip()):
             return False
         echo = self.ears.echo if self.ears is not None else None
         return echo is None or not echo.use_cancelled or self.ears.speaking
@@ -179,7 +179,7 @@ class TurnTaker:
         """Hands-free end of turn: at speech.stopped, Smart Turn judges the turn's audio; complete
         ends the turn now, incomplete waits for speech again or eot_max_silence_ms of silence. With
         ``eot_threshold`` 0 every pause ends the turn (no model call)."""
-        heard = self.heard
+        heard = self.user_turn
         if self.ears.speaking:
             heard.eot_deadline = None
             yield SpeakingOn()
@@ -204,23 +204,23 @@ class TurnTaker:
         return p >= cfg.eot_threshold
 
     async def too_long_error(self) -> None:
-        await self.error(E_TURN_TOO_LONG, f"a spoken turn lasts at most {self.settings().max_turn_s:g} s; "
+        await self.error(E_TURN_TOO_LONG, f"a spoken turn lasts at most {self.cfg_now().max_turn_s:g} s; "
                                           "it ends here as if turn.end had arrived")
 
     # ------------------------------------------------------------------ ending turns
     def ended_already(self) -> bool:
         """The client ends a turn that the server ended already, with no speech since: not twice
         (it is no new, empty turn). True once."""
-        if self.ended_by_server and not self.heard.open:
+        if self.ended_by_server and not self.user_turn.open:
             self.ended_by_server = False
             return True
         return False
 
-    async def conclude(self, by: str, finished: tuple[str, list[dict]] | None = None) -> Heard | None:
+    async def conclude(self, by: str, finished: tuple[str, list[dict]] | None = None) -> Transcript | None:
         """The spoken turn is over: its transcript (``finished``: already had from a peek in this
         frame), with the slot given back. None when nothing was heard (its slot was refused) or the
         recogniser failed (the client is told): the turn is dropped, and no number is used."""
-        heard = self.heard
+        heard = self.user_turn
         if heard.open and not heard.holds_slot:
             self.recogniser.drop()
             return None
@@ -237,12 +237,12 @@ class TurnTaker:
         else:
             finished = ("", None)
         self.recogniser.drop()
-        self.ended_by_server = self.settings().turn_detection == "vad" and by in SERVER_ENDS
+        self.ended_by_server = self.cfg_now().turn_detection == "vad" and by in SERVER_ENDS
         text, words = finished
-        return Heard(text, words, heard.joined_audio() if heard.audio else None)
+        return Transcript(text, words, heard.joined_audio() if heard.audio else None)
 
-    def take_heard_s(self) -> float:
-        seconds, self.heard_s = self.heard_s, 0.0
+    def take_audio_s(self) -> float:
+        seconds, self.audio_s = self.audio_s, 0.0
         return seconds
 
     def paid_item_audio(self, seconds: float) -> bool:
@@ -253,19 +253,19 @@ class TurnTaker:
         """Drop the open turn's audio, giving its slot back."""
         await self.recogniser.release()
         self.recogniser.drop()
-        self.heard_s = 0.0
+        self.audio_s = 0.0
 
     # ------------------------------------------------------------------ deadlines
     def turn_deadline(self) -> float | None:
         """When the open turn has held its slot for ``max_turn_s``."""
-        if self.heard.open and self.heard.holds_slot:
-            return self.heard.slot_taken_at + self.settings().max_turn_s
+        if self.user_turn.open and self.user_turn.holds_slot:
+            return self.user_turn.slot_taken_at + self.cfg_now().max_turn_s
         return None
 
     def due(self) -> TurnOver | None:
         """A deadline that has passed: a pause's end (silence) or the slot's hold (max_turn)."""
         now = self.clock()
-        if self.heard.eot_deadline is not None and now >= self.heard.eot_deadline:
+        if self.user_turn.eot_deadline is not None and now >= self.user_turn.eot_deadline:
             return TurnOver("silence")
         at = self.turn_deadline()
         if at is not None and now >= at:

@@ -18,7 +18,7 @@ from pipeline.conversation.replies import Replies, says_something
 from pipeline.conversation.reply import Reply
 from pipeline.conversation.shared import Shared
 from pipeline.conversation.speculation import MISS, Speculator
-from pipeline.conversation.turns import Heard, TurnTaker
+from pipeline.conversation.turns import Transcript, TurnTaker
 from pipeline.errors import E_ACTIVE_RESPONSE, E_CANCEL_NOT_ACTIVE, E_NO_OPEN_TURN, E_RATE_LIMITED
 
 
@@ -34,7 +34,7 @@ class UserTurns:
         follows where the server takes turns hands-free and answers them (``reply_on_turn_end``);
         ``must_be_open``: refused (``no_open_turn``) when no audio was heard since the last turn."""
         self.check(overrides)
-        if must_be_open and not self.turns.heard.open:
+        if must_be_open and not self.turns.user_turn.open:
             raise Refusal(E_NO_OPEN_TURN, "no audio since the last turn ended")
         if respond is None:
             respond = self.shared.reply_on_turn_end and self.shared.cfg.turn_detection == "vad"
@@ -47,21 +47,21 @@ class UserTurns:
         self.check(overrides)
         self.pay_for_reply()
         ended_at = self.shared.clock()
-        if self.turns.heard.open:
+        if self.turns.user_turn.open:
             await self.end_spoken("turn_end", respond)
         await self.cut()
-        item_id = self.turns.heard.item_id
+        item_id = self.turns.user_turn.item_id
         self.turns.recogniser.drop()
         self.turns.ended_by_server = False
-        return await self._turn_over(Heard(text, None, None), item_id, "typed", respond, overrides, ended_at, after)
+        return await self._turn_over(Transcript(text, None, None), item_id, "typed", respond, overrides, ended_at, after)
 
     async def end_spoken(self, by: str, respond: bool | None = None, overrides: dict[str, Any] | None = None,
                          finished: tuple[str, list[dict]] | None = None) -> Item | None:
         """End the spoken turn; ``by``: what ended it. A reply paused by it goes on if all it said
         was a backchannel; ``finished``: its transcript, already had from a peek."""
-        heard = self.turns.heard
-        ended_at, item_id, paused = self.shared.clock(), heard.item_id, self.replies.paused
-        if not paused and not (heard.open and not heard.holds_slot):
+        turn = self.turns.user_turn
+        ended_at, item_id, paused = self.shared.clock(), turn.item_id, self.replies.paused
+        if not paused and not (turn.open and not turn.holds_slot):
             await self.cut()
         words = await self.turns.conclude(by, finished)
         if words is not None and paused and not says_something(words.text, self.shared.cfg.backchannel_words):
@@ -79,20 +79,20 @@ class UserTurns:
         await self.replies.cancel_calls()
         await self.replies.interrupt(send_done=True, reason="turn_detected")
 
-    async def _turn_over(self, heard: Heard, item_id: str, by: str, respond: bool | None,
+    async def _turn_over(self, said: Transcript, item_id: str, by: str, respond: bool | None,
                          overrides: dict[str, Any] | None, ended_at: float, after: str | None = None) -> Item:
         """The turn gets its number and its item (unless empty), the client hears of it, and, if
         ``respond`` (None: as ``reply_on_turn_end`` says), its reply starts."""
         s, history = self.shared, self.shared.history
         s.turn += 1
         s.changed.set()
-        item = Item("user", heard.text.strip(), id=item_id, audio=by != "typed")
+        item = Item("user", said.text.strip(), id=item_id, audio=by != "typed")
         if item.text:
             history.add(item, after)
-            if heard.audio is not None:  # encoded once, beside the LLM's first tokens, for the TTS context
-                s.context.encode_later(item.text, heard.audio)
+            if said.audio is not None:  # encoded once, beside the LLM's first tokens, for the TTS context
+                s.context.encode_later(item.text, said.audio)
         previous = history.previous_id(item) if item in history.items else (history.last.id if history.last else None)
-        await s.emit(TurnEnded(s.turn, item, heard.text, heard.words, previous, self.turns.take_heard_s()))
+        await s.emit(TurnEnded(s.turn, item, said.text, said.words, previous, self.turns.take_audio_s()))
         s.observer.turn_ended(by)
         if s.reply_on_turn_end if respond is None else respond:
             await self.replies.start(ended_at, overrides or {}, answers=item.text)

@@ -16,15 +16,15 @@ log = logging.getLogger(__name__)
 
 
 class VoiceContext:
-    def __init__(self, backends: Backends, settings: Callable[[], SessionConfig], changed: Callable[[], None],
+    def __init__(self, backends: Backends, cfg_now: Callable[[], SessionConfig], changed: Callable[[], None],
                  name: str):
-        self.backends, self.settings, self.changed, self.name = backends, settings, changed, name
+        self.backends, self.cfg_now, self.changed, self.name = backends, cfg_now, changed, name
         self.segments: list[Segment] = []
         self.encoding: asyncio.Task | None = None  # the last user turn's audio joining the context
 
     def add(self, seg: Segment) -> None:
         self.segments.append(seg)
-        del self.segments[: -self.settings().context_turns]
+        del self.segments[: -self.cfg_now().context_turns]
         self.changed()
 
     def remove(self, seg: Segment) -> None:
@@ -54,7 +54,7 @@ class VoiceContext:
 
     async def _encode_user_turn(self, text: str, pcm: np.ndarray) -> None:
         try:
-            codes = await bounded(self.backends.tts_encode(pcm), self.settings().engine_timeout_s)
+            codes = await bounded(self.backends.tts_encode(pcm), self.cfg_now().engine_timeout_s)
         except EngineUnavailable as exc:
             log.warning("session %s: encoding user audio: %s", self.name, exc)
             return

@@ -44,7 +44,6 @@ class LLMConfig:
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
     seed: int = 0
-    token_delay_s: float = 0.0  # test hook: extra sleep per generated token
     max_tool_call_tokens: int = 256  # new tokens of a forced tool call at most (its arguments must fit)
     # OpenAI-compatible backend
     openai_url: str = "http://127.0.0.1:8000/v1"

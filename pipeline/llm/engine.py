@@ -88,6 +88,7 @@ def build_prompt(
     So each prompt it counts holds at most about twice the kept turns: the cost follows what
     is kept, not how long the history has grown.
     """
+    # Over 40 lines as one function: the chat template and its trimming to one token budget.
     count = count_tokens or approx_token_count
     system = system_prompt or None
     if history and history[0].get("role") == "system":
@@ -349,6 +350,7 @@ class LLMEngine:
         one in its own format (``pipeline.llm.tool_calls``). ``tool_choice`` ``"required"`` or a named
         function forces a call, its arguments constrained to the tool's schema (``pipeline.llm.constraint``).
         """
+        # Over 40 lines as one function: a stream's set-up in order: prompt, grammar, admission.
         cfg = self.cfg
         tools, tool_choice, temperature = sampling.tools, sampling.tool_choice, sampling.temperature
         max_new = cfg.max_output_tokens if sampling.max_output_tokens is None else int(sampling.max_output_tokens)
@@ -590,8 +592,6 @@ class LLMStream(Iterator[str]):
                 self.constraint.accept(token_id)
             if self.first_token_s is None:  # prefill + first sample
                 self.first_token_s = time.perf_counter() - t0
-        if eng.cfg.token_delay_s > 0:
-            time.sleep(eng.cfg.token_delay_s)
         return token_id
 
     def _flush(self) -> str:

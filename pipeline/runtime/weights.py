@@ -35,6 +35,7 @@ def require_pretrained(name_or_path: str, *, what: str, allow_patterns: list[str
     Raises :class:`MissingCheckpointError` when it is not there, :class:`CheckpointError` for any
     other failure (gated or unknown repository, network, a broken cache entry).
     """
+    # Over 40 lines as one function: each way a checkpoint can be missing, with its own message.
     if os.path.exists(name_or_path):
         return name_or_path
     from huggingface_hub import snapshot_download

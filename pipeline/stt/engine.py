@@ -244,6 +244,7 @@ class STTEngine:
         drop the extra frames. Both groups have fixed widths; last chunks ride along shorter (their
         padding is masked out). Returns [B, T, D] padded to a fixed T (static shapes for
         torch.compile), rows in the order of ``mel``, and their lengths."""
+        # Over 40 lines as one function: the two groups of one batch (first and later chunks), then one shift.
         B = mel.shape[0]
         n_t = torch.tensor(n_frames, dtype=torch.long, device=self.device)
         pre_parts, len_parts, order = [], [], []

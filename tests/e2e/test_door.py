@@ -20,7 +20,7 @@ from load.client import Conversation
 from pipeline.adapters.v1 import protocol as P
 from pipeline.conversation.agent import MAX_SCHEMA_DEPTH, MAX_TOOLS_CHARS
 from pipeline.conversation.history import MAX_ITEM_CHARS
-from pipeline.adapters.realtime.settings import MAX_SESSION_CHARS
+from pipeline.adapters.realtime.session_object import MAX_SESSION_CHARS
 from tests.e2e.serve_process import PORT, REALTIME_URL, URL
 
 pytestmark = pytest.mark.timeout(600)

@@ -33,8 +33,9 @@ import numpy as np
 
 from pipeline.wire import CloseConnection, WireSession
 from pipeline.conversation.agent import DEFAULT_VOICE, BadSetting
-from pipeline.audio_constants import REPLY_RATE, USER_RATE
+from pipeline.audio_constants import REPLY_RATE
 from pipeline.adapters.audio_formats import Decoder, Encoder
+from pipeline.audio import pieces
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as E
 from pipeline.conversation.refusal import Refusal
@@ -213,7 +214,7 @@ class PhoneSession(WireSession):
             agent = self.tools.agent = self.phone.agent(name)
         except KeyError:
             raise StreamError(f"the call names agent {name!r}, which this server does not have") from None
-        changes = agent.settings()
+        changes = agent.agent_changes()
         changes.update({k: parameters[k] for k in ("instructions", "voice") if k in parameters})
         try:
             await self.core.do(C.Configure(agent=changes, greet=agent.speaks_first))
@@ -222,8 +223,8 @@ class PhoneSession(WireSession):
 
     async def _media(self, msg: dict) -> None:
         pcm = self._decoder.decode(payload(msg))
-        for start in range(0, len(pcm), USER_RATE):
-            await self.core.do(C.Hear(pcm[start:start + USER_RATE]))
+        for piece in pieces(pcm):
+            await self.core.do(C.Hear(piece))
 
     async def _echoed(self, name: str) -> None:
         """The audio before mark ``name`` has played on the caller's phone: how long it waited at

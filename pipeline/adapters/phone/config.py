@@ -45,7 +45,7 @@ class PhoneAgent:
         if self.dtmf == "tool" and "collect_digits" not in self.tools:
             raise ValueError("dtmf: tool gives keys to the collect_digits tool: list it in the agent's tools")
 
-    def settings(self) -> dict[str, Any]:
+    def agent_changes(self) -> dict[str, Any]:
         """What it sets of the session's agent (AgentSettings fields), its tools' schemas included."""
         out: dict[str, Any] = {}
         if self.instructions is not None:

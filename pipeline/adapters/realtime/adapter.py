@@ -21,6 +21,7 @@ from pipeline.wire import WireSession
 from pipeline.conversation.agent import DEFAULT_VOICE, AgentSettings, BadSetting
 from pipeline.audio_constants import CODEC_FRAME_S, USER_RATE
 from pipeline.adapters.audio_formats import Decoder, Encoder
+from pipeline.audio import pieces
 from pipeline.conversation.calls import ToolResultError
 from pipeline.conversation import commands as C
 from pipeline.conversation import events as CE
@@ -32,11 +33,10 @@ from pipeline.errors import CLIENT_CAUSED, E_ENGINE_UNAVAILABLE, E_NO_OPEN_TURN,
 from pipeline.conversation.history import new_id
 from pipeline.adapters.realtime import client_events as R
 from pipeline.adapters.realtime import events as E
-from pipeline.adapters.realtime import settings as S
+from pipeline.adapters.realtime import session_object
 from pipeline.adapters.realtime.client_events import ClientEventError
 from pipeline.session_config import SessionConfig
 
-PIECE = USER_RATE  # samples handed to the core at a time (1 s, as v1's frames)
 # AgentSettings fields -> where they live in the Realtime session object (for errors' ``param``)
 AGENT_PARAMS = {"instructions": "session.instructions", "voice": "session.audio.output.voice",
                 "modalities": "session.output_modalities", "max_output_tokens": "session.max_output_tokens",
@@ -60,11 +60,11 @@ def check_opening_session(session: Any, server: SessionConfig, voices: tuple[str
     """The session object a call is made with (a WebRTC offer's ``session`` part, a client
     secret's), checked as ``session.update`` checks it, before anything exists for the call;
     returns its known part. Raises BadSetting or ClientEventError (:func:`refusal` words them)."""
-    _, terms, clip = S.read(session, S.initial("sess", "gapless", server), server)
+    _, terms, clip = session_object.read(session, session_object.initial("sess", "gapless", server), server)
     AgentSettings().updated(terms.agent, voices)
     if clip is not None:
         R.voice_clip(clip)
-    return S.known(session)
+    return session_object.known(session)
 
 
 @dataclass
@@ -88,8 +88,8 @@ class RealtimeSession(WireSession):
         self.core = self.conversation(backends, self.server_cfg, session_id or new_id("sess"), smart_turn, voices,
                                       _monotonic, **core_options)
         self.beta = beta
-        self.session = S.initial(self.id, model, self.server_cfg)
-        self.terms = S.apply(self.session, self.server_cfg)
+        self.session = session_object.initial(self.id, model, self.server_cfg)
+        self.terms = session_object.apply(self.session, self.server_cfg)
         self._voice_clip: dict | None = None  # what session.updated says of the session's own clip
         self._decoder = Decoder(self.terms.input_format)
         self._replies: dict[str, _ReplyWire] = {}
@@ -108,7 +108,7 @@ class RealtimeSession(WireSession):
         await self.send_frame(json.dumps(event), is_error=event["type"] == "error")
 
     def describe(self) -> dict:
-        return S.describe(self.session, self._voice_clip, self.beta)
+        return session_object.describe(self.session, self._voice_clip, self.beta)
 
     # ------------------------------------------------------------------ client events in
     async def on_frame(self, frame: bytes | str) -> None:
@@ -143,7 +143,7 @@ class RealtimeSession(WireSession):
 
     async def _configure(self, update: dict) -> None:
         """Apply a session object's changes, every one checked first (raises, changing nothing)."""
-        merged, terms, clip = S.read(update, self.session, self.server_cfg, self.beta)
+        merged, terms, clip = session_object.read(update, self.session, self.server_cfg, self.beta)
         agent = await self.core.do(C.Configure(terms.turn_taking, terms.agent, terms.reply_on_turn_end,
                                                R.voice_clip(clip) if clip is not None else None))
         self.session, self.terms = merged, terms
@@ -157,8 +157,8 @@ class RealtimeSession(WireSession):
         await self._hear(R.appended_audio(event, self._decoder))
 
     async def _hear(self, pcm: np.ndarray) -> None:
-        for start in range(0, len(pcm), PIECE):
-            await self.core.do(C.Hear(pcm[start:start + PIECE]))
+        for piece in pieces(pcm):
+            await self.core.do(C.Hear(piece))
 
     async def _commit(self, event: dict) -> None:
         await self._hear(self._decoder.flush())
@@ -203,7 +203,7 @@ class RealtimeSession(WireSession):
         params = event.get("response") or {}
         if not isinstance(params, dict):
             raise ClientEventError("invalid_value", "response must be an object", "response")
-        await self.core.do(C.Respond(S.response_overrides(params), metadata=params.get("metadata")))
+        await self.core.do(C.Respond(session_object.response_overrides(params), metadata=params.get("metadata")))
 
     async def _response_cancel(self, event: dict) -> None:
         await self.core.do(C.CancelReply(event.get("response_id")))

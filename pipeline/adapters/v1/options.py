@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline import errors as P
+from pipeline import errors
 from pipeline.connection import Connection
 from pipeline.engines import ClientGone
 from pipeline.session_config import SessionConfig
@@ -43,7 +43,7 @@ CLIENT_OPTIONS = {
 async def refuse_options(conn: Connection, session_class: type[WireSession], message: str) -> None:
     """A handshake with bad session options: one error, close 1008, nothing set up for it."""
     try:
-        await conn.send(session_class.error_frame(P.E_BAD_OPTION, message))
-        await conn.close(P.CLOSE_POLICY_VIOLATION, "bad session option")
+        await conn.send(session_class.error_frame(errors.E_BAD_OPTION, message))
+        await conn.close(errors.CLOSE_POLICY_VIOLATION, "bad session option")
     except ClientGone:
         pass

@@ -77,7 +77,7 @@ class EchoCanceller:
         self._echo_since = 0  # mic position of the first check of a run of peaks at that delay
         self.last_correlation = 0.0
 
-    def played(self, pcm_24k: np.ndarray) -> None:
+    def reference(self, pcm_24k: np.ndarray) -> None:
         """A reply chunk (int16 24 kHz) was sent: it plays after the audio sent before it, and not
         before now on the microphone clock."""
         pcm = float_to_int16(resample(int16_to_float(pcm_24k), REPLY_RATE, USER_RATE))

@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from pipeline.audio_constants import USER_RATE
+from pipeline.audio import pieces
 from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, UnknownStream, bounded
 from pipeline.errors import E_ENGINE_UNAVAILABLE, E_NO_FREE_SLOT
 from pipeline.conversation.history import new_id
@@ -54,11 +54,11 @@ class UserTurn:
 
 class Recogniser:
     """One conversation's side of the STT engine: the stream ``stream_id`` for each spoken turn.
-    ``settings()`` is the conversation's SessionConfig now; ``error(code, message)`` tells the client."""
+    ``cfg_now()`` is the conversation's SessionConfig now; ``error(code, message)`` tells the client."""
 
-    def __init__(self, backends: Backends, stream_id: str, settings: Callable[[], SessionConfig],
+    def __init__(self, backends: Backends, stream_id: str, cfg_now: Callable[[], SessionConfig],
                  clock: Callable[[], float], error: Callable[[str, str], Awaitable[None]]):
-        self.backends, self.stream_id, self.settings, self.clock, self.error = backends, stream_id, settings, clock, error
+        self.backends, self.stream_id, self.cfg_now, self.clock, self.error = backends, stream_id, cfg_now, clock, error
         self.turn = UserTurn()
         # A slot given up after a failed call (a push or open past engine_timeout_s), being closed
         # on the replica without holding up the session; the next open waits for it (same stream id).
@@ -75,11 +75,11 @@ class Recogniser:
 
     async def retry(self) -> None:
         """A refused turn asks again at most every ``slot_retry_s``, so hands-free clients recover."""
-        if self.clock() - self.turn.refused_at >= self.settings().slot_retry_s:
+        if self.clock() - self.turn.refused_at >= self.cfg_now().slot_retry_s:
             await self._take_slot()
 
     async def _engine(self, call):
-        return await bounded(call, self.settings().engine_timeout_s)
+        return await bounded(call, self.cfg_now().engine_timeout_s)
 
     async def push(self, pcm: np.ndarray) -> list[dict]:
         """The turn's next audio: the recogniser's events (partials, endpoint); none if the turn
@@ -89,7 +89,7 @@ class Recogniser:
         turn.samples += len(pcm)
         if not turn.loud:
             rms = float(np.sqrt(np.mean(np.square(pcm.astype(np.float32) / 32768.0))))
-            turn.loud = rms >= self.settings().barge_in_min_rms
+            turn.loud = rms >= self.cfg_now().barge_in_min_rms
         try:
             try:
                 return await self._engine(self.backends.stt_push(self.stream_id, pcm))
@@ -200,8 +200,8 @@ class Recogniser:
         except NoFreeSlot as exc:
             raise EngineUnavailable(f"no recogniser slot is free ({exc})") from None
         try:
-            for start in range(0, len(pcm), USER_RATE):
-                await self._engine(self.backends.stt_push(stream_id, pcm[start:start + USER_RATE]))
+            for piece in pieces(pcm):
+                await self._engine(self.backends.stt_push(stream_id, piece))
             text, _ = await self._engine(self.backends.stt_finish(stream_id))
         except BaseException:
             await asyncio.shield(self._close_stream(stream_id))

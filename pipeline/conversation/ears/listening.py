@@ -46,9 +46,9 @@ class Listener:
     def speaking(self) -> bool:
         return self.vad.speaking
 
-    def played(self, pcm_24k: np.ndarray) -> None:
+    def reference(self, pcm_24k: np.ndarray) -> None:
         if self.echo:
-            self.echo.played(pcm_24k)
+            self.echo.reference(pcm_24k)
 
     def stop_playback(self) -> None:
         if self.echo:

@@ -16,7 +16,7 @@ from pipeline.engines import BOT_SPEAKER, EngineUnavailable, Segment, bounded
 from pipeline.errors import E_ENGINE_UNAVAILABLE
 
 
-class Settings:
+class Configurator:
     def __init__(self, shared: Shared, turns: TurnTaker):
         self.shared, self.turns = shared, turns
 

@@ -82,8 +82,8 @@ class SessionTerms:
 
     input_format: AudioFormat
     output_format: AudioFormat
-    turn_taking: dict[str, Any]  # SessionConfig fields (Conversation.configure)
-    agent: dict[str, Any]  # AgentSettings fields (Conversation.update)
+    turn_taking: dict[str, Any]  # SessionConfig fields (the Configure command's turn_taking)
+    agent: dict[str, Any]  # AgentSettings fields (the Configure command's agent)
     reply_on_turn_end: bool  # create_response
     transcription: bool  # send transcription events for user audio
 
@@ -137,7 +137,7 @@ def initial(session_id: str, model: str, cfg: SessionConfig) -> dict:
         detection = None
     else:
         detection = {"type": "semantic_vad", "eagerness": "auto", "create_response": True,
-                     "interrupt_response": cfg.barge_in_mode != "off"}
+                     "interrupt_response": cfg.barge_in != "off"}
     return {
         "type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
         "output_modalities": ["audio"], "instructions": "",
@@ -191,7 +191,7 @@ def _turn_taking(detection: Any, server: SessionConfig) -> tuple[dict[str, Any],
     if kind not in ("server_vad", "semantic_vad"):
         param = "session.audio.input.turn_detection"
         raise BadSetting(param, f"{param} must be null or have type server_vad or semantic_vad, got {detection!r}")
-    barge_in = server.barge_in_mode if server.barge_in_mode != "off" else "vad"
+    barge_in = server.barge_in if server.barge_in != "off" else "vad"
     changes: dict[str, Any] = {"turn_detection": "vad", "vad_events": True,
                                "barge_in": barge_in if _flag(detection, "interrupt_response") else "off"}
     if kind == "server_vad":
