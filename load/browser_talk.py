@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from load import browser, speech
+from load.client import add_token_argument
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
 SENTENCES = ["I would like to book a flight to Paris on Friday.", "Can you tell me about the weather tomorrow?",
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spoken", type=int, default=2, choices=range(0, len(SENTENCES) + 1))
     ap.add_argument("--typed", type=int, default=2)
     ap.add_argument("--jitter-ms", type=float, default=120)
-    ap.add_argument("--token", default=None, help="for a server with auth on (the page asks for a ticket with it)")
+    add_token_argument(ap)  # the page asks for a ticket with it, where auth is on
     ap.add_argument("--screenshot", type=Path, default=Path("out/browser_talk.png"))
     args = ap.parse_args(argv)
     state = converse(args.url, args.spoken, args.typed, args.jitter_ms, args.token, args.screenshot)

@@ -29,6 +29,7 @@ import websockets
 from scipy.signal import resample_poly
 
 from load import speech
+from load.client import add_token_argument
 
 URL = "ws://127.0.0.1:8000/v1/phone/twilio"
 FRAME_MS = 20
@@ -200,8 +201,9 @@ class Phone:
                 f"(max {max(self.gaps, default=0):.2f} s), marks {self.marks[-3:]}")
 
 
-async def call(url: str, turns: int, provider: str, speech_frames: list[list[bytes]], silence: list[bytes]) -> dict:
-    async with Phone(url, provider) as phone:
+async def call(url: str, turns: int, provider: str, speech_frames: list[list[bytes]], silence: list[bytes],
+               token: str | None = None) -> dict:
+    async with Phone(url, provider, {"ticket": token} if token else None) as phone:
         v2v = []
         for turn in range(turns):
             ended = await phone.speak(speech_frames[turn % len(speech_frames)])
@@ -222,13 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--provider", default="twilio", choices=("twilio", "telnyx"))
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
+    add_token_argument(ap)  # the stream's credential (its start's ticket parameter) where auth is on
     args = ap.parse_args(argv)
     frames = [ulaw_frames(speech.espeak(s)) for s in SENTENCES]
     silence = ulaw_frames(np.zeros(int(2.0 * 16_000), np.int16))
 
     async def run() -> list[dict]:
         return await asyncio.gather(*(call(args.url.replace("twilio", args.provider), args.turns, args.provider,
-                                           frames[i:] + frames[:i], silence) for i in range(args.calls)))
+                                           frames[i:] + frames[:i], silence, args.token) for i in range(args.calls)))
 
     results = asyncio.run(run())
     gaps = [g for r in results for g in r["gaps"]]

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from load import speech
-from load.client import Conversation
+from load.client import Conversation, add_token_argument
 from load.processes import ProcessCPU
 from load.webrtc_client import RtcCall
 
@@ -34,27 +34,27 @@ WS_URL = "ws://127.0.0.1:8000/v1/conversation"
 SHORT = {"max_output_tokens": 24}  # every load tool's reply length on CPU
 
 
-async def webrtc_v2v(base: str, pcm: np.ndarray) -> float:
-    async with RtcCall(base, session=SHORT) as call:
+async def webrtc_v2v(base: str, pcm: np.ndarray, token: str | None = None) -> float:
+    async with RtcCall(base, credential=token, session=SHORT) as call:
         await call.wait(lambda c: c.of("session.created"))
         await call.say(speech.padded(pcm, 0.3, 2.0), speech_end=int(0.3 * 16_000) + len(pcm))
         await call.wait(lambda c: c.mic.speech_ended_at is not None and c.loud_after(c.mic.speech_ended_at), 60)
         return 1000 * (call.loud_after(call.mic.speech_ended_at)[0] - call.mic.speech_ended_at)
 
 
-async def websocket_v2v(url: str, pcm: np.ndarray) -> float:
-    async with Conversation(url) as conv:
+async def websocket_v2v(url: str, pcm: np.ndarray, token: str | None = None) -> float:
+    async with Conversation(url, token=token) as conv:
         clip = speech.padded(pcm, 0.3, 0.0)
         turn = await conv.say_hands_free(clip, speech_end=len(clip))
         return 1000 * turn.time_to_first_audio
 
 
-async def one_call(base: str, seconds: float, clips: list[np.ndarray]) -> dict:
+async def one_call(base: str, seconds: float, clips: list[np.ndarray], token: str | None = None) -> dict:
     """Speaks sentences for ``seconds``, each after the previous reply was received; the dead air
     inside each reply: gaps between its loud frames, from its first to its response.done."""
     gaps: list[float] = []
     turns = 0
-    async with RtcCall(base, session=SHORT) as call:
+    async with RtcCall(base, credential=token, session=SHORT) as call:
         await call.wait(lambda c: c.of("session.created"))
         ends = time.monotonic() + seconds
         while time.monotonic() < ends:
@@ -81,13 +81,14 @@ async def main_async(args) -> dict:
         order = random.sample(["webrtc", "websocket"], 2)
         row = {}
         for path in order:
-            row[path] = await (webrtc_v2v(args.base, pcm) if path == "webrtc" else websocket_v2v(args.ws, pcm))
+            row[path] = await (webrtc_v2v(args.base, pcm, args.token) if path == "webrtc"
+                               else websocket_v2v(args.ws, pcm, args.token))
         rows.append(row)
     levels = []
     for n in args.calls:
         cpu = ProcessCPU(("gateway",))
         t0 = time.monotonic()
-        results = await asyncio.gather(*(one_call(args.base, args.seconds, clips) for _ in range(n)))
+        results = await asyncio.gather(*(one_call(args.base, args.seconds, clips, args.token) for _ in range(n)))
         wall = time.monotonic() - t0
         gaps = [g for res in results for g in res["gaps"]]
         levels.append({"calls": n, "turns": sum(res["turns"] for res in results),
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", default="1,2,4", type=lambda v: [int(x) for x in v.split(",")])
     ap.add_argument("--seconds", type=float, default=30.0)
+    add_token_argument(ap)
     args = ap.parse_args(argv)
     res = asyncio.run(main_async(args))
     v = res["v2v_ms"]

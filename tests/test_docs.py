@@ -12,7 +12,16 @@ backticks that is:
   ``update``, ``updated``, ``created``).
 
 - a settings table's default (a row "| `name` | 300 | ..." of docs/protocol.md or docs/llm.md) is
-  the config class's default: numbers that docs and code both state have one source, the code.
+  the config class's default, and names a setting some config has: numbers that docs and code both
+  state have one source, the code. So is a default stated in prose ("`name` ... 30 s by default")
+  and a value a shipped config is said to have ("`name` ... `serve_config.yaml` ships 10");
+- an environment variable (an upper-case name in backticks that is no constant of the code) is
+  read by the code, the scripts or the configs;
+- a route (``/v1/...``, ``/healthz``, ``/metrics``, with or without its method) is served by the
+  gateway;
+
+and every metric the dashboards and alert rules under grafana/ query is defined in
+pipeline/metrics.py. Each check is fed an example of what it forbids (the ``catches`` tests).
 
 The exceptions, each with its reason, are below. Anything under ``out/`` is what a command writes
 when it runs, so it is not checked."""
@@ -79,10 +88,14 @@ def _exists(span: str, doc: Path, names: set[str]) -> bool:
     return (ROOT / span).exists() or (doc.parent / span).exists() or ("/" not in span and span in names)
 
 
+def _missing_files(doc: Path) -> list[str]:
+    names = {Path(p).name for p in _tracked()}
+    return sorted({s for s in _spans(doc) if _is_path(s) and s not in NOT_OURS and not _exists(s, doc, names)})
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
 def test_named_files_exist(doc):
-    names = {Path(p).name for p in _tracked()}
-    missing = sorted({s for s in _spans(doc) if _is_path(s) and s not in NOT_OURS and not _exists(s, doc, names)})
+    missing = _missing_files(doc)
     assert not missing, f"{doc.name} names files that do not exist: {missing}"
 
 
@@ -102,16 +115,19 @@ def _resolves(dotted: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
-def test_named_modules_and_commands_resolve(doc):
+def _unresolved(doc: Path) -> list[str]:
     dotted = {s for s in _spans(doc) if re.fullmatch(r"(pipeline|load|deployments)(\.\w+)+", s)}
     dotted |= {c for c in _commands(doc) if c.split(".")[0] in ("pipeline", "load", "deployments")}
-    unresolved = sorted(d for d in dotted if not _resolves(d))
+    return sorted(d for d in dotted if not _resolves(d))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_named_modules_and_commands_resolve(doc):
+    unresolved = _unresolved(doc)
     assert not unresolved, f"{doc.name} names modules or attributes that do not exist: {unresolved}"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
-def test_named_settings_exist(doc):
+def _unknown_settings(doc: Path) -> list[str]:
     fields = {k: {f.name for f in dataclasses.fields(c)} for k, c in SETTINGS.items()}
     fields["session"] = SETTING_NAMES | LIMIT_NAMES  # the yaml's session: holds both
     unknown = []
@@ -124,15 +140,24 @@ def test_named_settings_exist(doc):
         if name in fields[kind] or kind == "session" and (name in SESSION_KEYS or name in SESSION_EVENTS):
             continue
         unknown.append(span)
-    assert not unknown, f"{doc.name} names settings that do not exist: {sorted(set(unknown))}"
+    return sorted(set(unknown))
 
 
-def test_the_check_catches_a_missing_name(tmp_path):
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_named_settings_exist(doc):
+    unknown = _unknown_settings(doc)
+    assert not unknown, f"{doc.name} names settings that do not exist: {unknown}"
+
+
+def test_the_checks_catch_a_missing_name(tmp_path):
+    """A doc that names a file, a module and a setting that do not exist, beside ones that do:
+    each check reports the missing one, and only it."""
     doc = tmp_path / "x.md"
-    doc.write_text("See `pipeline/nothing_here.py`, `load.no_such_tool` and `session.no_such_setting`.")
-    assert _is_path("pipeline/nothing_here.py") and not _exists("pipeline/nothing_here.py", doc, set())
-    assert not _resolves("load.no_such_tool") and _resolves("load.gaps.SPOKEN")
-    assert "no_such_setting" not in {f.name for f in dataclasses.fields(SessionConfig)}
+    doc.write_text("See `pipeline/nothing_here.py` and `pipeline/engines.py`, `load.no_such_tool` and "
+                   "`load.gaps.SPOKEN`, `session.no_such_setting` and `session.idle_timeout_s`.")
+    assert _missing_files(doc) == ["pipeline/nothing_here.py"]
+    assert _unresolved(doc) == ["load.no_such_tool"]
+    assert _unknown_settings(doc) == ["session.no_such_setting"]
 
 
 # Numbers that docs and code both state have one source, the code: a settings table's defaults
@@ -157,15 +182,185 @@ def test_a_settings_tables_defaults_are_the_codes(doc):
     sources = [config() for config in DEFAULT_TABLES[doc]]
     rows = _default_rows((ROOT / "docs" / doc).read_text())
     assert len(rows) >= 8, rows
-    wrong = {}
-    for name, stated in rows:
-        source = next((s for s in sources if hasattr(s, name)), None)
-        if source is not None and float(getattr(source, name)) != float(stated):
-            wrong[name] = (stated, getattr(source, name))
+    wrong = _wrong_defaults(rows, sources)
     assert not wrong, f"docs/{doc} states defaults the code does not have (stated, code): {wrong}"
 
 
-def test_the_defaults_check_catches_a_changed_number():
-    text = "| `idle_timeout_s` | 301 | no frame |\n| `temperature`, `top_k` | 0.7, 50 | all |\n"
-    assert _default_rows(text) == [("idle_timeout_s", "301"), ("temperature", "0.7"), ("top_k", "50")]
-    assert float(SessionConfig().idle_timeout_s) != 301.0
+def _wrong_defaults(rows: list[tuple[str, str]], sources: list) -> dict:
+    """{setting: (stated, the code's)} for each row whose default is not the code's, or whose
+    setting no config has (the code's: None)."""
+    wrong = {}
+    for name, stated in rows:
+        source = next((s for s in sources if hasattr(s, name)), None)
+        if source is None or getattr(source, name) is None or float(getattr(source, name)) != float(stated):
+            wrong[name] = (stated, None if source is None else getattr(source, name))
+    return wrong
+
+
+def test_the_defaults_check_catches_a_changed_number_and_a_setting_no_config_has():
+    text = ("| `idle_timeout_s` | 301 | no frame |\n| `temperature`, `top_k` | 0.7, 50 | all |\n"
+            "| `no_such_limit` | 5 | nothing |\n")
+    rows = _default_rows(text)
+    assert rows == [("idle_timeout_s", "301"), ("temperature", "0.7"), ("top_k", "50"), ("no_such_limit", "5")]
+    assert _wrong_defaults(rows, [SessionConfig(), LLMConfig()]) == {"idle_timeout_s": ("301", 300.0),
+                                                                     "no_such_limit": ("5", None)}
+
+
+# ----------------------------------------------------------------------------- defaults and shipped values in prose
+def _configs() -> list:
+    return [SessionConfig(), ReplicaLimits(), STTConfig(), TTSConfig(), LLMConfig(), AuthConfig(), PhoneConfig()]
+
+
+def _yaml_settings(path: Path) -> dict[str, object]:
+    """A serve config's settings, by name (every section of the app's args, flattened)."""
+    import yaml
+
+    args = yaml.safe_load(path.read_text())["applications"][0]["args"]
+    return {k: v for section in args.values() if isinstance(section, dict) for k, v in section.items()}
+
+
+PROSE_DEFAULT = re.compile(r"`(\w+)`[^`\n|]{0,40}?\(?([-\d.]+) ?(?:s|ms|KiB|bytes)? by default")
+PROSE_SHIPPED = re.compile(r"`(\w+)`[^`\n|]{0,80}?`(serve_config(?:\.gpu)?\.yaml)` ships ([-\d.]+)")
+
+
+def _prose_drift(text: str) -> dict:
+    """{(setting, where): (stated, actual)} for each default or shipped value stated in prose that
+    is not the code's (or the config's)."""
+    drift = {}
+    for name, stated in PROSE_DEFAULT.findall(text):
+        source = next((c for c in _configs() if hasattr(c, name)), None)
+        if source is None:
+            continue  # not a setting of ours (a page's option, a tool's flag)
+        actual = getattr(source, name)
+        if not isinstance(actual, (int, float)) or float(actual) != float(stated):
+            drift[(name, "default")] = (stated, actual)
+    for name, config, stated in PROSE_SHIPPED.findall(text):
+        actual = _yaml_settings(ROOT / config).get(name)
+        if not isinstance(actual, (int, float)) or float(actual) != float(stated):
+            drift[(name, config)] = (stated, actual)
+    return drift
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_defaults_and_shipped_values_stated_in_prose_are_the_codes_and_the_configs(doc):
+    drift = _prose_drift(doc.read_text())
+    assert not drift, f"{doc.name} states values the code or the configs do not have (stated, actual): {drift}"
+
+
+def test_the_prose_check_catches_a_changed_default_and_a_changed_shipped_value():
+    good = "`tool_timeout_s` passed (30 s by default; `serve_config.yaml` ships 10)"
+    assert _prose_drift(good) == {}
+    assert _prose_drift(good.replace("30 s", "20 s").replace("ships 10", "ships 12")) == {
+        ("tool_timeout_s", "default"): ("20", 30.0), ("tool_timeout_s", "serve_config.yaml"): ("12", 10)}
+
+
+# ----------------------------------------------------------------------------- metrics the dashboards query
+def _defined_metrics() -> set[str]:
+    text = (ROOT / "pipeline" / "metrics.py").read_text()
+    return set(re.findall(r"(?:Counter|Gauge|Histogram)\(\s*\"(voice_\w+)\"", text))
+
+
+def _queried(text: str) -> set[str]:
+    """The voice_ metrics an expression queries, by the name they are defined with."""
+    return {re.sub(r"_(bucket|sum|count|total|created)$", "", name) for name in re.findall(r"\bvoice_\w+", text)}
+
+
+def test_every_metric_the_dashboards_and_alerts_query_is_defined():
+    used = set()
+    for path in [*(ROOT / "grafana").rglob("*.json"), *(ROOT / "grafana").rglob("*.yml")]:
+        used |= _queried(path.read_text())
+    assert used and not used - _defined_metrics(), sorted(used - _defined_metrics())
+
+
+def test_the_metrics_check_catches_an_undefined_metric():
+    queried = _queried('sum(rate(voice_audio_chunk_gap_seconds_bucket[5m])) / voice_no_such_thing_total')
+    assert queried - _defined_metrics() == {"voice_no_such_thing"}
+
+
+# ----------------------------------------------------------------------------- environment variables
+# Variables the docs name that others read (their own documentation says what they do).
+NOT_READ_BY_US = {
+    "SSL_CERT_FILE": "Python's ssl, httpx and websockets read it (the tests' clients trust a test certificate)",
+    "OMP_NUM_THREADS": "OpenMP's (torch's threads)",
+    "CUDA_VISIBLE_DEVICES": "CUDA's",
+    "HF_HOME": "Hugging Face's cache",
+    "HF_HUB_OFFLINE": "Hugging Face's",
+    "RAY_ADDRESS": "Ray's: the cluster a command talks to",
+    "RAY_AUTH_MODE": "Ray's CLI",
+    "PYTHONPATH": "Python's",
+    "TORCH_LOGS": "torch's logging (docs/stall.md: what recompiled, and why)",
+}
+
+
+def _constants() -> set[str]:
+    found = set()
+    for tree in ("pipeline", "deployments", "load", "scripts", "tests"):
+        for path in (ROOT / tree).rglob("*.py"):
+            found |= set(re.findall(r"^\s*([A-Z][A-Z0-9_]+)\s*[:=]", path.read_text(), flags=re.M))
+    return found
+
+
+def _read_somewhere(name: str) -> bool:
+    """Whether the code, the scripts, the configs, CI or a test (one that reads a switch of its
+    own) names ``name``: any tracked source but this file and the docs."""
+    for path in _tracked():
+        if path.endswith((".py", ".sh", ".yaml", ".yml", ".toml", "run", ".js")) \
+                and not path.startswith("docs/") and path != "tests/test_docs.py":
+            full = ROOT / path
+            if full.is_file() and name in full.read_text(errors="ignore"):
+                return True
+    return False
+
+
+def _unread_variables(doc_text: str, constants: set[str]) -> list[str]:
+    text = re.sub(r"```.*?```", "", doc_text, flags=re.S)
+    names = {m.lstrip("$") for m in re.findall(r"`(\$?[A-Z][A-Z0-9]*_[A-Z0-9_]+)(?:=[^`]*)?`", text)}
+    return sorted(n for n in names if n not in constants and n not in NOT_READ_BY_US and not _read_somewhere(n))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_every_environment_variable_the_docs_name_is_read(doc):
+    unread = _unread_variables(doc.read_text(), _constants())
+    assert not unread, f"{doc.name} names environment variables nothing reads: {unread}"
+
+
+def test_the_variables_check_catches_one_nothing_reads():
+    assert _unread_variables("set `GAPLESS_TOKENS` and `$GAPLESS_NO_SUCH_VAR`", set()) == ["GAPLESS_NO_SUCH_VAR"]
+
+
+# ----------------------------------------------------------------------------- routes
+def _paths(router) -> list[str]:
+    """Every route's path under a FastAPI router, included routers walked (Serve's ingress moves
+    the gateway's routes into one)."""
+    out = []
+    for route in router.routes:
+        if hasattr(route, "original_router"):
+            out += [route.include_context.prefix + p for p in _paths(route.original_router)]
+        elif getattr(route, "path", None):
+            out.append(route.path)
+    return out
+
+
+def _served() -> list[re.Pattern]:
+    import deployments.gateway  # noqa: F401 - its modules register the routes
+    from deployments.ingress import api
+
+    return [re.compile(re.sub(r"\{\w+\}", "[^/]+", path) + "/?") for path in _paths(api)]
+
+
+def _unserved(doc_text: str, served: list[re.Pattern]) -> list[str]:
+    text = re.sub(r"```.*?```", "", doc_text, flags=re.S)
+    paths = {m for m in re.findall(r"`(?:(?:GET|POST|PUT|DELETE) )?(/v1/[\w/{}.-]*|/healthz|/metrics)(?:\?[^`]*)?`", text)}
+    return sorted(p for p in paths if not any(pattern.fullmatch(p) for pattern in served))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_every_route_the_docs_name_is_served(doc):
+    unserved = _unserved(doc.read_text(), _served())
+    assert not unserved, f"{doc.name} names routes the gateway does not serve: {unserved}"
+
+
+def test_the_routes_check_catches_a_route_not_served():
+    served = _served()
+    assert _unserved("`POST /v1/realtime/calls`, `/v1/realtime/calls/{call_id}/hangup`, `GET /v1/nothing`", served) \
+        == ["/v1/nothing"]

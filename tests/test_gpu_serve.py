@@ -61,8 +61,9 @@ def test_dry_run_runs_every_step_against_a_real_serve_run(tmp_path):
     facts = dict(line.split("\t", 1) for line in (out / "facts.tsv").read_text().splitlines())
     assert float(facts["cold_start_s"]) > 0 and float(facts["warm_start_s"]) > 0
     after = json.loads(facts["metrics_after_load"])
+    # the series of every model deployment are there; whether they stay at 0 is the GPU run's to show
+    # (the dry run serves the tiny engines uncompiled, so its count is 0 whatever the code does)
     assert set(after["compiles_after_warmup"]) >= {"stt", "llm", "tts"}
-    assert sum(after["compiles_after_warmup"].values()) == 0
     assert after["chunk_gaps"]["all"] > 0  # the gateways saw the load's replies
     for protocol in ("v1", "realtime"):
         levels = [summary[f"cost_{protocol}_{n}"]["result"]["levels"][0] for n in (1, 2)]

@@ -1,4 +1,4 @@
-"""The README's four client examples (examples/, shown in the README: scripts/readme_examples.py)
+"""The four client examples (examples/, shown in docs/clients.md: scripts/readme_examples.py)
 run against `serve run`, each in its own environment with its client at the pinned version
 (tests/example_envs.py), as a new user would run them: each must hear reply audio, and the
 Agents SDK's must hear the answer after its tool. (With no server: tests/test_examples.py.)"""
