@@ -19,7 +19,7 @@ from pipeline import metrics
 from pipeline.door.auth import AuthConfig, load_tokens
 from pipeline.llm.config import LLMConfig
 from pipeline.adapters.phone.config import read_phone_section
-from pipeline.adapters.webrtc.peer import read_webrtc_section
+from pipeline.adapters.webrtc.config import read_webrtc_section
 from pipeline.session_config import read_session_section
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig

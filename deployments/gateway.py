@@ -28,7 +28,7 @@ from pipeline.adapters.phone.config import read_phone_section
 from pipeline.adapters.realtime.adapter import RealtimeSession
 from pipeline.adapters.v1.adapter import Session
 from pipeline.adapters.v1.options import refuse_options, session_options
-from pipeline.adapters.webrtc.peer import Peer, read_webrtc_section
+from pipeline.adapters.webrtc.config import read_webrtc_section
 from pipeline.connection import Resumption, SessionRegistry, serve_connection
 from pipeline.conversation.ears.listening import warm_listening
 from pipeline.door.admission import Gatekeeper, Handshake, Refused
@@ -93,7 +93,7 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
         _warn_about_the_door(auth_cfg)
         self._phone_calls()
         self.webrtc = read_webrtc_section(webrtc)
-        self.rtc_calls: dict[str, Peer] = {}  # this replica's WebRTC calls (a call is pinned to its replica)
+        self.rtc_calls: dict[str, object] = {}  # this replica's WebRTC calls' peers (a call is pinned to its replica)
         self._rtc_tasks: set[asyncio.Task] = set()
         # The turn-taking models load here, before the replica is ready, not on a first caller.
         warm_listening()

@@ -4,6 +4,7 @@ webrtc_routes.py): the FastAPI app Serve's ingress wraps, the door every HTTP ro
 WebSocket as the Connection a session is served over."""
 # No `from __future__ import annotations` here: FastAPI must see the real WebSocket type
 # through Ray Serve's class-based view, or the WebSocket route rejects every handshake (403).
+from importlib import resources
 from pathlib import Path
 
 from fastapi import FastAPI, Request, WebSocket
@@ -19,7 +20,9 @@ from pipeline.engines import ClientGone
 api = FastAPI(title="gapless", docs_url=None, redoc_url=None, openapi_url=None)
 
 # The browser client (web/): plain files, no build step. Its scripts come from this origin only.
-WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+# It travels as the package data of deployments (deployments/web links to web/ in a checkout; a
+# wheel holds the files), found as a resource either way.
+WEB_DIR = Path(str(resources.files("deployments") / "web"))
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; connect-src 'self'; img-src 'self' data:; "
                                "media-src 'self' blob:; frame-ancestors 'none'",

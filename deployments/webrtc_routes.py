@@ -18,13 +18,17 @@ from pipeline import metrics
 from pipeline.adapters.realtime.adapter import check_opening_session
 from pipeline.adapters.realtime.adapter import refusal as realtime_refusal
 from pipeline.adapters.realtime.client_events import ClientEventError
-from pipeline.adapters.webrtc.adapter import WebRTCSession
-from pipeline.adapters.webrtc.peer import OfferRefused, Peer
 from pipeline.connection import serve_connection
 from pipeline.conversation.agent import BadSetting
 from pipeline.door.admission import Handshake, Refused
 from pipeline.door.auth import TICKET_PARAM, AuthError, bearer
 from pipeline.door.bodies import MAX_SDP_BYTES, MAX_SESSION_JSON_BYTES, MULTIPART_SLACK
+
+try:  # the webrtc extra (aiortc, PyAV): without it every call is answered 501, and nothing else changes
+    from pipeline.adapters.webrtc import adapter as rtc_adapter
+    from pipeline.adapters.webrtc import peer as rtc_peer
+except ImportError:
+    rtc_adapter = rtc_peer = None
 
 
 def _session_of(value, cfg, voices) -> dict | None:
@@ -112,6 +116,9 @@ class WebRTCRoutes:
         ``sdp`` and ``session``; 201 with the SDP answer and the call's Location. The credential is
         a Bearer token or an ephemeral key from /v1/realtime/client_secrets."""
         # Over 40 lines as one function: admission, the offer, the answer: each refusal gives the admission back.
+        if rtc_peer is None:
+            return JSONResponse({"error": {"type": "invalid_request_error", "code": "webrtc_not_installed",
+                                           "message": "this server has no WebRTC: pip install 'gapless[webrtc]'"}}, 501)
         hs = self._call_handshake(request)
         try:
             admission = self.gate.admit(hs)
@@ -125,7 +132,7 @@ class WebRTCRoutes:
                 raise Refused(errors.E_SERVER_BUSY, "this server is at its session limit; try again shortly")
             offer, session = await _offer(request)
             session = _session_of(session, self.session_cfg, self.voices)  # before any peer exists
-            peer = Peer(self.webrtc.ice_servers, on_stats=metrics.webrtc_stats, policy=self.webrtc.policy)
+            peer = rtc_peer.Peer(self.webrtc.ice_servers, on_stats=metrics.webrtc_stats, policy=self.webrtc.policy)
             answer = await peer.answer(offer)
             for reason, count in peer.dropped_candidates.items():
                 metrics.WEBRTC_CANDIDATES_DROPPED.labels(reason=reason).inc(count)
@@ -136,7 +143,7 @@ class WebRTCRoutes:
             admission.release()
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
             return refusal_response(refused)
-        except OfferRefused as refused:
+        except rtc_peer.OfferRefused as refused:
             admission.release()
             return JSONResponse({"error": {"type": "invalid_request_error", "code": refused.code,
                                            "message": refused.message}}, refused.status)
@@ -162,9 +169,9 @@ class WebRTCRoutes:
             query[TICKET_PARAM] = token
         return Handshake(headers, query, self.gate.auth.address_of(request))
 
-    async def _serve_call(self, peer: Peer, admission, session: dict | None, model: str | None) -> None:
+    async def _serve_call(self, peer, admission, session: dict | None, model: str | None) -> None:
         try:
-            await serve_connection(peer, self.backends, self.session_cfg, self.sessions, WebRTCSession,
+            await serve_connection(peer, self.backends, self.session_cfg, self.sessions, rtc_adapter.WebRTCSession,
                                    observer=metrics.MetricsObserver(), voices=self.voices, model=model or "gapless",
                                    peer=peer, session=session)
         finally:

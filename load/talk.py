@@ -16,8 +16,8 @@ from pipeline.audio import float_to_int16, int16_to_float, read_wav, resample, w
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
 
 
-async def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+async def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="ws://127.0.0.1:8000/v1/conversation")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--wav", help="a 16-bit WAV file to say (any rate; resampled to 16 kHz)")

@@ -39,17 +39,21 @@ elif ! $pip install -q --retries 0 --timeout 15 torch==2.13.0 --index-url https:
   $pip install -q torch==2.13.0
 fi
 .venv/bin/python -c "import torch; b = f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU'; print(f'torch {torch.__version__}: the {b} build')"
-$pip install -q -e ".[${EXTRAS:-dev}]"
+# Everything else at the versions CI tested (requirements.lock, made on Python 3.11), installed
+# without dependency resolution: the one place that works around moshi's and pipecat-ai's pins
+# (pyproject.toml says which and why). On another Python, pip resolves pyproject.toml's ranges
+# and the two come after, without their dependencies.
+if [ -f requirements.lock ] && .venv/bin/python -c "import sys; sys.exit(sys.version_info[:2] != (3, 11))"; then
+  $pip install -q --no-deps -r requirements.lock
+  $pip install -q --no-deps -e .
+  case ",${EXTRAS:-dev}," in *,gpu,*) $pip install -q ".[gpu]" ;; esac
+else
+  $pip install -q -e ".[${EXTRAS:-dev}]"
+  $pip install -q --no-deps "moshi==0.2.13" "pipecat-ai==1.14.0"
+fi
 # Every `serve run` and `ray start` of this venv starts Ray's HTTP proxy with our limits: a .pth
 # file sets RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH unless set (deployments/door_env.py).
 .venv/bin/python -m deployments.door_env install
-# moshi without its declared pins (torch<2.10, numpy<2.3, safetensors<0.8, hub<1.0): its Mimi
-# runs on the newer versions installed above, and its runtime needs are our own dependencies.
-$pip install -q --no-deps "moshi==0.2.13"
-# pipecat-ai for Smart Turn v3.2 (its ONNX model and Whisper feature code), also without its pins:
-# it wants protobuf<7, which would break Ray (protobuf 7); what its Smart Turn modules import
-# (onnxruntime, loguru, soxr, wait_for2, pydantic, numpy) is in our own dependencies.
-$pip install -q --no-deps "pipecat-ai==1.14.0"
 .venv/bin/python - <<'PY'
 import moshi.models.loaders, torch, numpy, nemo, ray, transformers  # noqa: F401 - import check
 from pipeline.conversation.ears.listening import warm_listening

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from pipeline.tts.config import TTSConfig
@@ -20,6 +21,15 @@ class VoiceProfile:
 
     speaker: int
     reference: Segment | None = None
+
+
+def clip_path(clip: str) -> Path:
+    """A voice clip's file: as given if absolute, else from the working directory, else from the
+    clips that ship with the package (pipeline/tts/voices links to the repository's voices/)."""
+    path = Path(clip)
+    if path.is_absolute() or path.exists():
+        return path
+    return Path(str(resources.files("pipeline.tts") / path))
 
 
 class Voices:
@@ -49,12 +59,10 @@ class Voices:
         and kept as its reference."""
         from pipeline.audio import read_wav
 
-        root = Path(__file__).resolve().parents[2]
         for name, spec in self.cfg.voice_specs().items():
             if spec.get("clip") is None:
                 continue
-            path = Path(spec["clip"])
-            pcm, rate = read_wav(str(path if path.is_absolute() else root / path))
+            pcm, rate = read_wav(str(clip_path(spec["clip"])))
             codes = encode_audio(pcm, rate)
             speaker = self.profiles[name].speaker
             self.profiles[name] = VoiceProfile(speaker, Segment(speaker, spec["text"].strip(), codes))

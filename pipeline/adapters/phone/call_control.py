@@ -11,11 +11,6 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from twilio.base.exceptions import TwilioException
-from twilio.http.async_http_client import AsyncTwilioHttpClient
-from twilio.rest import Client
-from twilio.twiml.voice_response import VoiceResponse
-
 from pipeline.conversation.keypad import MAX_DIGITS
 
 CALL_CONTROL_TIMEOUT_S = 5.0  # a carrier's REST call answers within this, or the action failed
@@ -49,6 +44,21 @@ def tool_schemas(names: tuple[str, ...], transfer_to: tuple[str, ...] = ()) -> t
     return tuple(schemas[n] for n in names)
 
 
+def require_carrier_client(name: str):
+    """A carrier's official client (the ``phone`` extra), imported where its account is configured;
+    a clear error where it is not installed."""
+    import importlib
+
+    try:
+        module = importlib.import_module(name)
+        if name == "twilio":
+            importlib.import_module("twilio.twiml.voice_response")
+        return module
+    except ImportError:
+        raise RuntimeError(f"phone.{name} is configured but the {name} package is not installed: "
+                           "pip install 'gapless[phone]'") from None
+
+
 class CallControl(Protocol):
     async def hang_up(self, call_id: str) -> None: ...
     async def transfer(self, call_id: str, to: str) -> None: ...
@@ -59,6 +69,13 @@ class TwilioCalls:
     TwiML with ``<Dial>`` (the media stream then ends)."""
 
     def __init__(self, account_sid: str, auth_token: str, api_base_url: str | None = None):
+        twilio = require_carrier_client("twilio")
+        from twilio.base.exceptions import TwilioException
+        from twilio.http.async_http_client import AsyncTwilioHttpClient
+        from twilio.rest import Client
+
+        self.errors = (TwilioException, OSError, TimeoutError)
+        self.dial_twiml = twilio.twiml.voice_response.VoiceResponse
         self.client = Client(account_sid, auth_token, http_client=AsyncTwilioHttpClient(timeout=CALL_CONTROL_TIMEOUT_S))
         if api_base_url:
             self.client.api.base_url = api_base_url.rstrip("/")
@@ -67,14 +84,14 @@ class TwilioCalls:
         try:
             async with asyncio.timeout(CALL_CONTROL_TIMEOUT_S):
                 await self.client.calls(call_id).update_async(**fields)
-        except (TwilioException, OSError, TimeoutError) as exc:
+        except self.errors as exc:
             raise CallControlError(f"Twilio: {exc}") from None
 
     async def hang_up(self, call_id: str) -> None:
         await self._update(call_id, status="completed")
 
     async def transfer(self, call_id: str, to: str) -> None:
-        twiml = VoiceResponse()
+        twiml = self.dial_twiml()
         twiml.dial(to)
         await self._update(call_id, twiml=str(twiml))
 
@@ -83,7 +100,7 @@ class TelnyxCalls:
     """Telnyx Call Control: the call's ``hangup`` and ``transfer`` actions."""
 
     def __init__(self, api_key: str, api_base_url: str | None = None):
-        import telnyx  # a large package: imported only where a Telnyx account is configured
+        telnyx = require_carrier_client("telnyx")  # a large package: imported only where its account is set
 
         self.errors = (telnyx.APIError, OSError, TimeoutError)
         self.client = telnyx.AsyncTelnyx(api_key=api_key, base_url=api_base_url, timeout=CALL_CONTROL_TIMEOUT_S,

@@ -15,8 +15,7 @@ import time
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
-from twilio.request_validator import RequestValidator
-from twilio.twiml.voice_response import Connect, VoiceResponse
+from pipeline.adapters.phone.call_control import require_carrier_client
 
 CALL_PARAMETERS = ("agent", "voice")  # what the webhook's query may pass on to the call
 
@@ -46,6 +45,9 @@ def signed_url(public_url: str | None, request_url: str) -> str:
 class TwilioWebhook:
     def __init__(self, auth_token: str, claim: Callable[[str, float], Awaitable[bool]], issue: Callable[[], str],
                  replay_window_s: float, clock: Callable[[], float] = time.time):
+        require_carrier_client("twilio")
+        from twilio.request_validator import RequestValidator
+
         self.validator = RequestValidator(auth_token)
         self.claim, self.issue, self.replay_window_s, self.clock = claim, issue, replay_window_s, clock
 
@@ -65,6 +67,8 @@ class TwilioWebhook:
 
     @staticmethod
     def twiml(stream: str, ticket: str, parameters: dict[str, str]) -> str:
+        from twilio.twiml.voice_response import Connect, VoiceResponse
+
         response, connect = VoiceResponse(), Connect()
         media = connect.stream(url=stream)
         media.parameter(name="ticket", value=ticket)

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import fractions
-import ipaddress
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -43,6 +42,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.sdp import SessionDescription
 from av import AudioFrame, AudioResampler
 
+from pipeline.adapters.webrtc.config import MAX_CANDIDATES, IcePolicy  # noqa: F401 - the offer's policy
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
 from pipeline.door.bodies import MAX_SDP_BYTES
 from pipeline.engines import ClientGone
@@ -51,7 +51,6 @@ from pipeline.conversation.history import new_id
 log = logging.getLogger(__name__)
 
 DATA_CHANNEL = "oai-events"
-MAX_CANDIDATES = 20  # ICE candidates an offer may carry (browsers send 1-8: host, srflx, relay)
 ICE_CONNECT_WITHIN_S = 15.0
 FRAME_S = 0.02
 REPLY_FRAME = int(REPLY_RATE * FRAME_S)  # 480 samples at 24 kHz
@@ -75,39 +74,6 @@ class MicAudio:
     """20 ms of the caller's microphone, int16 at the recogniser's rate."""
 
     pcm: np.ndarray
-
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-@dataclass(frozen=True)
-class IcePolicy:
-    """Where an offer's candidates may point this server's connectivity checks: public unicast
-    addresses, and any address in ``allowed`` (networks the operator allows: a LAN, a VPN,
-    loopback for a local test), never one of this host's own (``own``)."""
-
-    max_candidates: int = MAX_CANDIDATES
-    allowed: tuple[Network, ...] = ()
-    own: frozenset = field(default_factory=frozenset)
-
-    def verdict(self, host: str) -> str | None:
-        """None where checks may go to ``host``; else why not (a metrics label)."""
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            return "name"  # an mDNS name: resolving it would send a query of the caller's choosing
-        if ip in self.own:
-            return "own_host"  # even inside an allowed network: the gateway does not probe itself
-        if any(ip in net for net in self.allowed):
-            return None
-        return None if ip.is_global and not ip.is_multicast else "not_public"
-
-
-def host_addresses() -> frozenset:
-    """This host's own addresses (every interface's: what aioice gathers candidates on)."""
-    from aioice.ice import get_host_addresses
-
-    return frozenset(ipaddress.ip_address(a.split("%")[0]) for a in get_host_addresses(use_ipv4=True, use_ipv6=True))
 
 
 def check_offer(sdp: str, policy: IcePolicy | None = None) -> tuple[str, Counter]:
@@ -373,36 +339,3 @@ class Peer:
             self.on_stats(direction, stats.jitter / 48_000, lost)  # Opus's RTP clock is 48 kHz
             if direction == "out" and stats.roundTripTime:
                 self.rtt_s = stats.roundTripTime
-
-
-@dataclass(frozen=True)
-class WebRTCConfig:
-    ice_servers: list[dict]  # {urls, username, credential} each, as RTCIceServer takes them
-    policy: IcePolicy
-
-
-SECTION_KEYS = ("ice_servers", "max_candidates", "allowed_candidate_networks")
-
-
-def read_webrtc_section(section: dict | None) -> WebRTCConfig:
-    """``webrtc:`` of a serve config: its ICE servers, how many candidates an offer may carry and
-    the networks (CIDR) its candidates may point into besides public addresses; an unknown name or
-    a bad value raises ValueError."""
-    section = dict(section or {})
-    unknown = set(section) - set(SECTION_KEYS)
-    if unknown:
-        raise ValueError(f"unknown webrtc settings {sorted(unknown)}; known: {list(SECTION_KEYS)}")
-    servers = [dict(s) for s in section.get("ice_servers") or []]
-    for server in servers:
-        if set(server) - {"urls", "username", "credential"} or not server.get("urls"):
-            raise ValueError(f"an ICE server is {{urls, username, credential}} with urls set, got {server!r}")
-        RTCIceServer(**server)
-    most = section.get("max_candidates", MAX_CANDIDATES)
-    if isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= 100:
-        raise ValueError(f"webrtc max_candidates must be an integer from 1 to 100, got {most!r}")
-    try:
-        allowed = tuple(ipaddress.ip_network(str(n), strict=False) for n in section.get("allowed_candidate_networks")
-                        or [])
-    except ValueError as exc:
-        raise ValueError(f"webrtc allowed_candidate_networks: {exc} (networks in CIDR form, e.g. 10.0.0.0/8)") from None
-    return WebRTCConfig(servers, IcePolicy(most, allowed, host_addresses()))
