@@ -364,3 +364,92 @@ def test_the_routes_check_catches_a_route_not_served():
     served = _served()
     assert _unserved("`POST /v1/realtime/calls`, `/v1/realtime/calls/{call_id}/hangup`, `GET /v1/nothing`", served) \
         == ["/v1/nothing"]
+
+
+# ----------------------------------------------------------------------------- guides and measurements apart
+# docs/*.md are guides: how a thing works, how to use it, how to measure it. What was measured, on
+# which day and with which command, is in docs/measurements/<area>.md, newest first, and the guide
+# cites that file: a number stated in two places comes from one.
+MEASUREMENTS = ROOT / "docs" / "measurements"
+GUIDES = sorted((ROOT / "docs").glob("*.md"))
+# Guides that still hold their measurements, each with its reason.
+NOT_YET_SPLIT = {
+    "gpu.md": "being split into a guide and docs/measurements/gpu.md by a change of its own",
+}
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+COMMAND = re.compile(r"python -m |bash |pytest")
+
+
+def _dated(text: str) -> list[str]:
+    """The lines of a guide that date something: every date but a setting's change ("it was 150
+    before 2026-12-04", "until", "since") and a measurements file's section named in quotes
+    (docs/measurements/x.md, "2026-12-03")."""
+    lines = []
+    for line in text.splitlines():
+        for m in DATE.finditer(line):
+            before = line[:m.start()]
+            if not (before.endswith('"') or re.search(r"\b(before|until|since) $", before)):
+                lines.append(line.strip())
+                break
+    return lines
+
+
+@pytest.mark.parametrize("doc", [g for g in GUIDES if g.name not in NOT_YET_SPLIT], ids=lambda d: d.name)
+def test_a_guide_holds_no_dated_measurement(doc):
+    dated = _dated(doc.read_text())
+    assert not dated, f"docs/{doc.name} dates a measurement: move it to docs/measurements/ and cite it: {dated}"
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """(heading, heading and body) of each ``## `` section."""
+    parts = re.split(r"^(?=## )", text, flags=re.M)
+    return [(p.splitlines()[0], p) for p in parts if p.startswith("## ")]
+
+
+def _undated_or_unordered(text: str) -> list[str]:
+    """What is wrong with a measurements file: a section whose heading has no date (an undated
+    result says the day it was committed: "Undated (committed 2026-12-01, 2819e05)"), sections not
+    newest first, no section at all, or no command (in backticks or a code block) that made them."""
+    sections = _sections(text)
+    problems = [f"undated: {h}" for h, _ in sections if not DATE.search(h)]
+    dates = [DATE.search(h).group() for h, _ in sections if DATE.search(h)]
+    if dates != sorted(dates, reverse=True):
+        problems.append(f"not newest first: {dates}")
+    if not sections:
+        problems.append("no dated section")
+    spans = re.findall(r"```.*?```|`[^`\n]+`", text, flags=re.S)
+    if not any(COMMAND.search(s) for s in spans):
+        problems.append("no command")
+    return problems
+
+
+@pytest.mark.parametrize("path", sorted(MEASUREMENTS.glob("*.md")), ids=lambda p: p.name)
+def test_a_measurements_file_is_dated_newest_first_with_its_commands(path):
+    problems = _undated_or_unordered(path.read_text())
+    assert not problems, f"docs/measurements/{path.name}: {problems}"
+
+
+def _citations() -> str:
+    return "\n".join(p.read_text() for p in [ROOT / "README.md", *GUIDES])
+
+
+def test_every_measurements_file_is_cited_by_a_guide_and_every_one_cited_exists():
+    cited = set(re.findall(r"docs/measurements/([\w-]+\.md)", _citations()))
+    files = {p.name for p in MEASUREMENTS.glob("*.md")}
+    assert files, "docs/measurements/ holds no file"
+    assert not files - cited, f"no guide (nor README.md) cites docs/measurements/{sorted(files - cited)}"
+    missing = cited - files - set(NOT_YET_SPLIT)
+    assert not missing, f"the docs cite measurements files that do not exist: {sorted(missing)}"
+
+
+def test_the_measurements_checks_catch_a_dated_guide_and_an_undated_file():
+    guide = ('## Measured 2026-12-03: barge-in\nSix runs on 2026-12-02.\n- **At the first chunk** (2026-12-03).\n'
+             'It was 150 before 2026-12-04 (docs/measurements/turn-taking.md, "2026-12-04 (afternoon)").\n')
+    assert _dated(guide) == ["## Measured 2026-12-03: barge-in", "Six runs on 2026-12-02.",
+                             "- **At the first chunk** (2026-12-03)."]
+    good = "# M\n## 2026-12-04: `python -m load.gaps`\nx\n## Undated (committed 2026-12-01, abc1234): y\n"
+    assert _undated_or_unordered(good) == []
+    assert _undated_or_unordered(good.replace("2026-12-04", "a day")) == ["undated: ## a day: `python -m load.gaps`"]
+    assert _undated_or_unordered(good.replace("`python -m load.gaps`", "load.gaps")) == ["no command"]
+    assert _undated_or_unordered(good.replace("2026-12-01", "2026-12-05")) == [
+        "not newest first: ['2026-12-04', '2026-12-05']"]
