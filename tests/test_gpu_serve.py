@@ -45,7 +45,19 @@ def test_the_dry_run_config_keeps_the_gpu_sessions_on_tiny_engines(token):
     args = cfg["applications"][0]["args"]
     built = configs(AppArgs(**args))
     assert built["tts"].profile == "tiny" and built["tts"].device == "cpu" and not built["tts"].frame_graphs
-    assert all("num_gpus" not in d.get("ray_actor_options", {}) for d in cfg["applications"][0]["deployments"])
+    # the GPU config's shape, placed on a node Ray is told has one GPU: replicas, gateways, autoscaling,
+    # GPU shares; only the CPU shares (the replicas' torch threads) are the tiny config's
+    gpu = served_config(dry_run=False)["applications"][0]["deployments"]
+    dry = cfg["applications"][0]["deployments"]
+
+    def shape(deployments: list[dict]) -> list[dict]:
+        return [{**d, "ray_actor_options": {k: v for k, v in d["ray_actor_options"].items() if k != "num_cpus"}}
+                for d in deployments]
+
+    assert shape(dry) == shape(gpu)
+    gateways = next(d for d in dry if d["name"] == "Gateway")
+    assert gateways["num_replicas"] == 4 and gateways["ray_actor_options"]["num_cpus"] < 1
+    assert sum(d["ray_actor_options"].get("num_gpus", 0) for d in dry) > 0
     assert args["session"]["max_sessions_per_client"] >= 64 and args["auth"]["mode"] == "token"
 
 

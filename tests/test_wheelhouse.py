@@ -1,11 +1,16 @@
-"""The offline wheelhouse for an air-gapped GPU machine (load/wheelhouse.py): what it carries, its
-parts (each within what one device call carries) and their join, byte for byte, refusing a part
-that is missing or changed; and the GPU sampling of load.cost (load/gpu_usage.py)."""
+"""The offline wheelhouse for an air-gapped GPU machine (load/wheelhouse.py): what it carries, the
+site it installs here and unpacks there, its parts (each within what one device call carries) and
+their join, byte for byte, refusing a part that is missing or changed; and the GPU sampling of
+load.cost (load/gpu_usage.py)."""
 from __future__ import annotations
 
+import base64
 import filecmp
+import hashlib
 import os
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,30 +22,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def wheels(tmp_path):
-    src = tmp_path / "wheels"
-    src.mkdir()
-    for name, size in (("a-1.0-py3-none-any.whl", 3000), ("b-2.0-cp312-cp312-linux_x86_64.whl", 21000),
-                       ("c-0.1-py3-none-any.whl", 9000)):
-        (src / name).write_bytes(os.urandom(size))
-    return src
+def payload(tmp_path):
+    path = tmp_path / "site.tar.xz"
+    path.write_bytes(os.urandom(33000))
+    return path
 
 
-def test_parts_join_back_to_the_same_wheels(wheels, tmp_path):
-    manifest = wheelhouse.pack(wheels, tmp_path / "carry", part_bytes=8192)
-    parts = sorted((tmp_path / "carry").glob("part-*/wheels.tar.*"))
-    assert len(parts) == len(manifest["parts"]) >= 4  # 33 kB of wheels in 8 kB parts
+def test_parts_join_back_to_the_same_bytes(payload, tmp_path):
+    manifest = wheelhouse.pack(payload, tmp_path / "carry", part_bytes=8192)
+    parts = sorted((tmp_path / "carry").glob("part-*/site.tar.xz.*"))
+    assert len(parts) == len(manifest["parts"]) >= 4  # 33 kB in 8 kB parts
     assert all(p.stat().st_size <= 8192 for p in parts)
     assert all((p.parent / "MANIFEST.json").exists() for p in parts)  # each call carries its checksums
     joined = wheelhouse.join(tmp_path / "carry", tmp_path / "joined")
-    assert sorted(w.name for w in joined) == sorted(w.name for w in wheels.iterdir())
-    for w in wheels.iterdir():
-        assert filecmp.cmp(w, tmp_path / "joined" / w.name, shallow=False)
+    assert filecmp.cmp(payload, joined, shallow=False)
 
 
-def test_a_missing_or_changed_part_is_refused_by_name(wheels, tmp_path):
-    wheelhouse.pack(wheels, tmp_path / "carry", part_bytes=8192)
-    second = tmp_path / "carry" / "part-2" / "wheels.tar.2"
+def test_a_missing_or_changed_part_is_refused_by_name(payload, tmp_path):
+    wheelhouse.pack(payload, tmp_path / "carry", part_bytes=8192)
+    second = tmp_path / "carry" / "part-2" / "site.tar.xz.2"
     data = second.read_bytes()
     second.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
     with pytest.raises(wheelhouse.JoinError, match="part-2.*not the part that was packed"):
@@ -50,6 +50,46 @@ def test_a_missing_or_changed_part_is_refused_by_name(wheels, tmp_path):
         wheelhouse.join(tmp_path / "carry", tmp_path / "joined2")
     with pytest.raises(wheelhouse.JoinError, match="nothing was carried"):
         wheelhouse.join(tmp_path / "empty", tmp_path / "joined3")
+
+
+def _wheel(folder: Path) -> Path:
+    """A real (tiny) wheel: a module and a console script, its RECORD hashed as pip checks it."""
+    files = {"demo_carried/__init__.py": b"VALUE = 42\ndef main():\n    print('demo', VALUE)\n",
+             "demo_carried-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: demo-carried\nVersion: 1.0\n",
+             "demo_carried-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                 b"Tag: py3-none-any\n",
+             "demo_carried-1.0.dist-info/entry_points.txt": b"[console_scripts]\ndemo-carried = demo_carried:main\n"}
+    record = "".join(f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+                     f"{len(data)}\n" for name, data in files.items()) + "demo_carried-1.0.dist-info/RECORD,,\n"
+    path = folder / "demo_carried-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in {**files, "demo_carried-1.0.dist-info/RECORD": record.encode()}.items():
+            z.writestr(name, data)
+    return path
+
+
+def test_the_site_is_installed_here_unpacked_there_and_kept_on_a_rerun(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels)
+    archive = tmp_path / "site.tar.xz"
+    assert wheelhouse.site_archive(wheels, archive, preset=0) == ["demo_carried-1.0-py3-none-any.whl"]
+    wheelhouse.pack(archive, tmp_path / "carry", part_bytes=4096, contents=["demo_carried-1.0-py3-none-any.whl"])
+    site = tmp_path / "site"
+    there = tmp_path / "python3"  # the other machine's interpreter (here: this one, under another name)
+    there.symlink_to(sys.executable)
+    assert "unpacked" in wheelhouse.install(tmp_path / "carry", site, python=str(there))
+    command = site / "bin" / "demo-carried"
+    assert command.read_text().splitlines()[0] == f"#!{there}"  # not the #! of the Python that packed it
+    ran = subprocess.run([str(command)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(site)})
+    assert ran.stdout == "demo 42\n", ran.stderr  # its module found on PYTHONPATH
+    assert "kept" in wheelhouse.install(tmp_path / "carry", site)  # a rerun: the same parts, nothing unpacked
+    (site / "demo_carried" / "__init__.py").unlink()
+    first = next((tmp_path / "carry").glob("part-1/site.tar.xz.1"))
+    first.write_bytes(first.read_bytes()[:-1])
+    with pytest.raises(wheelhouse.JoinError, match="part-1.*not the part that was packed"):
+        wheelhouse.install(tmp_path / "carry", tmp_path / "other_site")
 
 
 def test_a_part_and_the_tree_fit_one_device_call():
