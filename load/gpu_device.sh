@@ -8,8 +8,9 @@
 #
 # On the device, what its python3 lacks travels as the wheelhouse of `bash load/gpu_wheels.sh`
 # (.gpu_carry/part-K, one per device call made back to back; ignored by git: name it in `carry`),
-# joined, checked and installed to /tmp/site with --no-deps (load/steps.sh install_carried; moshi's
-# pins on torch/numpy/hub are not its runtime needs, and scripts/install.sh installs it the same way).
+# joined, checked and unpacked to /tmp/site: a site installed here with --no-deps (load/steps.sh
+# install_carried; moshi's pins on torch/numpy/hub are not its runtime needs, and scripts/install.sh
+# installs it the same way).
 #
 # Steps (each with its own time limit; one that fails or runs out is recorded and the rest go on):
 #   tts       load.bench_tts_batch: CSM-1B + Mimi frame step at batch widths 1/8/32 vs one stream at a

@@ -6,8 +6,8 @@
 #   bash load/gpu_serve.sh --dry-run   # the same steps on a 2-core CPU with tiny shapes (.venv; CI runs it)
 #
 # Before the GPU run, here: `bash load/gpu_wheels.sh` (the wheelhouse in two parts, the spoken clips),
-# then two device calls back to back: .gpu_carry/part-1 with .gpu_carry/speech (`true`), then
-# .gpu_carry/part-2 with `bash load/gpu_serve.sh`; a rerun needs no carry (docs/gpu.md "The plan").
+# then two device calls back to back: .gpu_carry/part-1 (`true`), then .gpu_carry/part-2 and
+# .gpu_carry/speech with `bash load/gpu_serve.sh`; a rerun needs no carry (docs/gpu.md "The plan").
 #
 # Whatever it finds running from an earlier run (a killed one leaves Ray holding the port and the GPU)
 # is stopped first. Ray is started with the node's GPUs (the dry run: one, so the config's fractional

@@ -4,8 +4,8 @@
 # each fit one device call. Run here, where pip reaches the index:
 #   bash load/gpu_wheels.sh           # -> .gpu_carry/part-1 ... part-K, and .gpu_carry/speech
 # Then carry .gpu_carry/part-1, ..., part-K in device calls made back to back (a warm machine keeps
-# what earlier calls carried), the last one with .gpu_carry/speech and the run: load/gpu_serve.sh
-# joins the parts, checks every checksum and installs with no index (docs/gpu.md "Air-gapped install").
+# what earlier calls carried; two parts today), the last one with .gpu_carry/speech and the run:
+# load/gpu_serve.sh joins the parts, checks every checksum and unpacks the site (docs/gpu.md "The plan").
 #
 # 1. The list (python -m load.wheelhouse list): the requirement closure of what the app and the load
 #    tools import, pinned to this .venv's versions, less what the GPU image has (load/gpu_image.txt).
