@@ -115,10 +115,12 @@ async def silent_streams(target: Target) -> list[tuple[int | None, str, float]]:
     return await asyncio.gather(*(silent_stream(target, f"127.0.0.{140 + i % 4}") for i in range(SILENT_STREAMS)))
 
 
-async def offer_sdp() -> str:
-    """A real client's offer (aiortc: audio and the oai-events channel), never answered."""
+async def offer_sdp(audio: bool = True) -> str:
+    """A real client's offer (aiortc: the oai-events channel, and an audio section unless not),
+    never answered."""
     pc = RTCPeerConnection()
-    pc.addTransceiver("audio")
+    if audio:
+        pc.addTransceiver("audio")
     pc.createDataChannel("oai-events")
     await pc.setLocalDescription(await pc.createOffer())
     sdp = pc.localDescription.sdp

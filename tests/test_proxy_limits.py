@@ -7,6 +7,7 @@ the proxy's callback variable unless it is set."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import select
@@ -41,6 +42,26 @@ async def _app(scope, receive, send):
             pass
 
 
+@contextlib.contextmanager
+def _serving(app, **config):
+    """``app`` served by uvicorn on a free loopback port in a thread; the port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None, **config))
+    thread = threading.Thread(target=asyncio.run, args=(srv.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)  # poll for the start, under a deadline
+    assert srv.started
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
 @pytest.fixture
 def configured():
     """configure() applied to uvicorn.Config, undone afterwards (other tests build their own)."""
@@ -53,19 +74,8 @@ def configured():
 @pytest.fixture
 def server(configured):
     """A uvicorn server as the proxy runs it (Config defaults from configure()); its port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(_app, lifespan="off", log_config=None, timeout_keep_alive=30))
-    thread = threading.Thread(target=asyncio.run, args=(srv.serve(sockets=[sock]),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)  # poll for the start, under a deadline
-    assert srv.started
-    yield sock.getsockname()[1]
-    srv.should_exit = True
-    thread.join(30)
-    sock.close()
+    with _serving(_app, timeout_keep_alive=30) as port:
+        yield port
 
 
 def _connect(port: int, data: bytes = b"") -> socket.socket:
@@ -199,19 +209,8 @@ def body_server(configured):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(out))]})
         await send({"type": "http.response.body", "body": out})
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(proxy_limits.BodyLimits(echo, TEST_ROUTES), lifespan="off", log_config=None))
-    thread = threading.Thread(target=asyncio.run, args=(srv.serve(sockets=[sock]),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)  # poll for the start, under a deadline
-    assert srv.started
-    yield sock.getsockname()[1], reached
-    srv.should_exit = True
-    thread.join(30)
-    sock.close()
+    with _serving(proxy_limits.BodyLimits(echo, TEST_ROUTES)) as port:
+        yield port, reached
 
 
 def _post(path: str, body: bytes = b"", length: int | None = None, chunked: bool = False, token: bool = False) -> bytes:

@@ -12,6 +12,7 @@ import httpx
 from load import speech
 from load.client import Conversation
 from load.webrtc_client import RtcCall
+from tests.door_attacks import offer_sdp
 from tests.e2e.serve_process import PORT, URL
 
 BASE = f"http://127.0.0.1:{PORT}"
@@ -74,26 +75,12 @@ def test_a_call_talks_is_cut_in_on_takes_a_typed_turn_and_hangs_up(server):
     assert hang_up.status_code == 200 and call.closed.is_set()
 
 
-async def _offer_sdp(audio: bool) -> str:
-    """An aiortc offer with the events channel, and an audio section or not."""
-    from aiortc import RTCPeerConnection
-
-    pc = RTCPeerConnection()
-    if audio:
-        pc.addTransceiver("audio")
-    pc.createDataChannel("oai-events")
-    await pc.setLocalDescription(await pc.createOffer())
-    sdp = pc.localDescription.sdp
-    await pc.close()
-    return sdp
-
-
 def test_bad_offers_get_their_http_error_and_a_conversation_beside_them_goes_on(server):
     async def go():
-        with_audio = await _offer_sdp(audio=True)
+        with_audio = await offer_sdp(audio=True)
         offers = {
             "invalid_sdp": "this is not SDP",
-            "no_audio": await _offer_sdp(audio=False),
+            "no_audio": await offer_sdp(audio=False),
             # the audio section with every line naming Opus removed: PCMU and PCMA are left
             "unsupported_codec": "\r\n".join(line for line in with_audio.split("\r\n") if "opus" not in line.lower()),
         }
