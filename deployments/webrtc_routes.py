@@ -5,6 +5,7 @@ peer connection lives in the replica that answered it. A mixin of
 # No `from __future__ import annotations` here (FastAPI reads the route signatures).
 import asyncio
 import json
+import logging
 import time
 
 from fastapi import Request
@@ -24,10 +25,15 @@ from pipeline.door.admission import Handshake, Refused
 from pipeline.door.auth import TICKET_PARAM, AuthError, bearer
 from pipeline.door.bodies import MAX_SDP_BYTES, MAX_SESSION_JSON_BYTES, MULTIPART_SLACK
 
-try:  # the webrtc extra (aiortc, PyAV): without it every call is answered 501, and nothing else changes
+WEBRTC_EXTRA = {"aiortc", "av", "aioice"}  # the webrtc extra's packages
+try:  # without the extra every call is answered 501, and nothing else changes
     from pipeline.adapters.webrtc import adapter as rtc_adapter
     from pipeline.adapters.webrtc import peer as rtc_peer
-except ImportError:
+except ModuleNotFoundError as missing:
+    if (missing.name or "").split(".")[0] not in WEBRTC_EXTRA:
+        raise  # a broken install or a bug is not "not installed"
+    logging.getLogger(__name__).warning("WebRTC calls are answered 501: %s is not installed (pip install "
+                                        "'gapless[webrtc]')", missing.name)
     rtc_adapter = rtc_peer = None
 
 

@@ -9,9 +9,10 @@
 # then two device calls back to back: .gpu_carry/part-1 (`true`), then .gpu_carry/part-2 and
 # .gpu_carry/speech with `bash load/gpu_serve.sh`; a rerun needs no carry (docs/gpu.md "The plan").
 #
-# Whatever it finds running from an earlier run (a killed one leaves Ray holding the port and the GPU)
-# is stopped first. Ray is started with the node's GPUs (the dry run: one, so the config's fractional
-# GPU shares are placed as on the GPU), then `serve run` joins it.
+# On the GPU, whatever Ray an earlier run left (a killed one holds the port and the GPU) is stopped
+# first; the dry run stops nothing of a developer's and refuses to start while port 8000 answers.
+# Ray is started with the node's GPUs (the dry run: one, so the config's fractional GPU shares are
+# placed as on the GPU), then `serve run` joins it; what this script started, it stops.
 # Steps (each with its own limit, cut to what is left of TOTAL_S; one that fails or runs out is
 # recorded and the rest go on; a step that has less than 30 s left is skipped). At TOTAL_S + 5 s a
 # watchdog stops whatever step is still going; the app is stopped and summary.json and tables.md
@@ -19,7 +20,7 @@
 # exit, a kill included:
 #   wheels         (dry run only, when nothing was packed) load/gpu_wheels.sh, at xz's fastest level
 #   install        the carried parts joined, checksums checked, the site unpacked (load/steps.sh);
-#                  a rerun on the warm machine finds the same parts installed and skips it
+#                  a rerun on the warm machine finds the same parts unpacked and keeps them
 #   cold_start     `serve run` of serve_config.gpu.yaml as load.gpu_serve writes it (profile full, auth on
 #                  with a throw-away token, loopback), until /healthz answers 200: seconds, GPU memory
 #   gaps           load.gaps: one conversation, typed and spoken turns, chunk gaps and time to first audio
@@ -39,19 +40,23 @@ cd "$(dirname "$0")/.."
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 OUT=${OUT:-out/gpu_serve}
-export CARRY=${CARRY:-.gpu_carry}
 if [ $DRY = 1 ]; then
-  PY=${PY:-.venv/bin/python}; BIN=$(dirname "$PY"); SITE=$(mktemp -d)
+  PY=${PY:-.venv/bin/python}; SITE=$(mktemp -d)
+  # a scratch wheelhouse unless one is named: the dry run packs fast (larger parts), never for a lease
+  export CARRY=${CARRY:-$(mktemp -d)}
   TOTAL_S=${TOTAL_S:-900}; COLD_S=300; LEVELS=${LEVELS:-1,2}; LEVEL_S=5; BASELINE_S=2; GAP_TURNS=2
   TURN_ARGS="--clips 2 --rounds 1 --hands-free-only"
   NODE="--num-cpus=8 --num-gpus=1"  # logical CPUs for the config's shares; one GPU to place its GPU shares on
   export XZ_PRESET=0  # the wheelhouse packed fast: the same format, checked and unpacked the same way
 else
-  PY=${PY:-python3}; SITE=${SITE:-/tmp/site}; BIN=$SITE/bin
+  PY=${PY:-python3}; SITE=${SITE:-/tmp/site}
+  export CARRY=${CARRY:-.gpu_carry}
   TOTAL_S=${TOTAL_S:-190}; COLD_S=150; LEVELS=${LEVELS:-8,64}; LEVEL_S=10; BASELINE_S=3; GAP_TURNS=3
   TURN_ARGS="--rounds 1"
   NODE="--num-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}  # the carried site (Ray among it); every Ray process inherits it
 fi
+RAY="$PY -m ray.scripts.scripts" SERVE="$PY -m ray.serve.scripts"  # Ray's commands, whatever their #! says
 FINISH_S=${FINISH_S:-40}  # after TOTAL_S: the app stopped, the summary written (the hard deadline)
 MAIN_PID=$$
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0
@@ -68,26 +73,18 @@ STEP_LOGS="$OUT/logs" STEP_TSV="$OUT/steps.tsv"
 source load/steps.sh
 fact() { printf '%s\t%s\n' "$1" "$2" >> "$OUT/facts.tsv"; }
 T_END=$((SECONDS + TOTAL_S))
-# The hard deadline: at TOTAL_S + 5 s whatever step is going is stopped (the main shell, then its
-# children: bash runs the TERM trap once the step's process is gone), and the trap finishes.
-( trap 'kill "$nap" 2>/dev/null; exit 0' TERM  # finish() ends the watchdog: no deadline after the end
-  sleep $((TOTAL_S + 5)) &
-  nap=$!
-  wait "$nap"
-  echo "== hard deadline: $((TOTAL_S + 5)) s; stopping the step in progress"
-  kill -TERM "$MAIN_PID" 2>/dev/null
-  for child in $(pgrep -P "$MAIN_PID"); do [ "$child" != "$BASHPID" ] && kill -TERM "$child" 2>/dev/null; done
-) &
-WATCHDOG=$!
+left_s() { echo $((T_END - SECONDS)); }
 skipped() {  # skipped NAME WHY: a step not run, recorded (exit 125) with its log saying why
   echo "== $1 skipped: $2"
   echo "skipped: $2" > "$STEP_LOGS/$1.log"
   printf '%s\t%s\t%s\n' "$1" 125 0 >> "$STEP_TSV"
 }
+CURRENT_STEP=""  # the step going on, recorded by finish() as cut off (124) if the deadline stops it
 run_step() {  # run_step NAME OWN_LIMIT_S CMD...: the step within what is left of TOTAL_S
-  local name=$1 own=$2 left=$((T_END - SECONDS))
+  local name=$1 own=$2 left
+  left=$(left_s)
   shift 2
-  if [ $left -lt 30 ]; then
+  if [ "$left" -lt 30 ]; then
     skipped "$name" "${left} s left of ${TOTAL_S}"
     return
   fi
@@ -95,46 +92,23 @@ run_step() {  # run_step NAME OWN_LIMIT_S CMD...: the step within what is left o
   step "$name" $((own < left ? own : left)) "$@"
   CURRENT_STEP=""
 }
-CURRENT_STEP=""  # the step going on, recorded by finish() as cut off (124) if the deadline stops it
 gpu_mem() { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{s += $1} END {print s}'; }
 
-stop_ray() {  # whatever Ray and serve run this machine has (ours, or one a killed run left), bounded
-  pkill -TERM -f "serve run .*serve_config" 2>/dev/null
-  local ray_bin
-  for ray_bin in "$BIN/ray" "$(command -v ray)"; do
-    [ -x "$ray_bin" ] && timeout 15 "$ray_bin" stop --force > /dev/null 2>&1
-  done
+# -- the app's start and stop, and the end of the run -----------------------------------------------------
+CONFIG="$OUT/serve_config.served.yaml"
+SERVE_PID="" RAY_STARTED=0
+stop_ray() {  # Ray and serve run stopped, bounded (ray stop ends every Ray process of this user)
+  timeout 15 $RAY stop --force > /dev/null 2>&1
   timeout 15 $PY -m load.gpu_serve down || echo "port 8000 still answers after Ray's stop"
 }
-stop_ray  # a rerun on a warm machine: the port and the GPU back
-fact label "$([ $DRY = 1 ] && echo "dry run (CPU, tiny)" || echo "GPU, profile full") $(date -u +%Y-%m-%dT%H:%MZ)"
-fact device "\"$( (nvidia-smi -L 2>/dev/null || echo "no GPU: $(nproc) CPU cores") | paste -sd';')\""
-
-# -- what was carried ---------------------------------------------------------------------------------
-if [ $DRY = 1 ] && ! ls "$CARRY"/part-*/MANIFEST.json >/dev/null 2>&1; then
-  run_step wheels 300 bash load/gpu_wheels.sh
-fi
-export PY SITE DRY
-run_step install 120 bash -c "source load/steps.sh; install_carried $SITE"
-if [ $DRY = 0 ]; then
-  export PYTHONPATH=$SITE:$PYTHONPATH  # every Ray process inherits it
-else
-  rm -rf "$SITE"  # a cp312 site: checked and unpacked, not for this Python
-fi
-fact versions "\"$($PY -c 'import sys, torch, ray; print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), ray {ray.__version__}")' 2>&1 | tail -n 1)\""
-
-# -- the app --------------------------------------------------------------------------------------------
-CONFIG="$OUT/serve_config.served.yaml"
-$PY -m load.gpu_serve config "$CONFIG" $([ $DRY = 1 ] && echo --dry-run)
-TOKEN=$($PY -c 'import secrets; print(secrets.token_urlsafe(32))')
-export GAPLESS_TOKENS=$TOKEN GAPLESS_TOKEN=$TOKEN
-SERVE_PID=""
 start_app() {  # start_app LIMIT_S FACT: Ray with the node's GPUs, serve run joining it in its own process group;
   # FACT gets the seconds to /healthz 200 (Ray's start included)
   local t0=$SECONDS
   # shellcheck disable=SC2086
-  timeout 60 "$BIN/ray" start --head $NODE --disable-usage-stats >> "$OUT/logs/serve.log" 2>&1 || return 1
-  setsid "$BIN/serve" run --address=auto "$CONFIG" >> "$OUT/logs/serve.log" 2>&1 &
+  RAY_STARTED=1
+  timeout 60 $RAY start --head $NODE --disable-usage-stats >> "$OUT/logs/serve.log" 2>&1 || return 1
+  # shellcheck disable=SC2086
+  setsid $SERVE run --address=auto "$CONFIG" >> "$OUT/logs/serve.log" 2>&1 &
   SERVE_PID=$!
   disown "$SERVE_PID"  # stopped by its process group, not waited for by this shell
   local took
@@ -143,29 +117,11 @@ start_app() {  # start_app LIMIT_S FACT: Ray with the node's GPUs, serve run joi
   echo "healthy after $took s"
   fact "$2" "$took"
 }
-stop_app() {  # bounded: the hard deadline leaves FINISH_S for this and the summary
+stop_app() {  # what start_app started, stopped; bounded: the hard deadline leaves FINISH_S for this and the summary
   [ -n "$SERVE_PID" ] && kill -TERM -- "-$SERVE_PID" 2>/dev/null
-  stop_ray
-  SERVE_PID=""
+  [ "$RAY_STARTED" = 1 ] && stop_ray
+  SERVE_PID="" RAY_STARTED=0
 }
-FINISHED=0
-finish() {  # the app stopped, summary.json, tables.md and logs.tar.gz written: once, on any exit
-  [ $FINISHED = 1 ] && return
-  FINISHED=1
-  trap - INT TERM
-  kill "$WATCHDOG" 2>/dev/null
-  [ -n "$CURRENT_STEP" ] && printf '%s\t%s\t%s\n' "$CURRENT_STEP" 124 "$((SECONDS - CURRENT_T0))" >> "$STEP_TSV"
-  stop_app
-  $PY -m load.step_summary "$OUT/logs" "$STEP_TSV" gpu_serve > "$OUT/steps.json"
-  STATUS=$?
-  mv "$OUT/logs/summary.json" "$OUT/summary.json"
-  $PY -m load.gpu_serve report "$OUT" > /dev/null
-  tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
-  cat "$OUT/steps.json"
-}
-STATUS=1
-trap 'finish; exit 124' INT TERM
-trap 'finish' EXIT
 start_step() {  # start_step NAME LIMIT_S: start_app as a step, in this shell (its pid is the app's)
   local t0=$SECONDS rc
   echo "== $1 (limit ${2}s): serve run $CONFIG"
@@ -177,8 +133,66 @@ start_step() {  # start_step NAME LIMIT_S: start_app as a step, in this shell (i
   echo "   rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/logs/$1.log")"
   return $rc
 }
+STATUS=1
+FINISHED=0
+WATCHDOG=""
+finish() {  # the app stopped, summary.json, tables.md and logs.tar.gz written: once, on any exit
+  [ $FINISHED = 1 ] && return
+  FINISHED=1
+  [ -n "$WATCHDOG" ] && kill "$WATCHDOG" 2>/dev/null
+  trap '' INT TERM  # nothing interrupts the finish; each of its commands is bounded
+  [ -n "$CURRENT_STEP" ] && printf '%s\t%s\t%s\n' "$CURRENT_STEP" 124 "$((SECONDS - CURRENT_T0))" >> "$STEP_TSV"
+  stop_app
+  timeout 15 $PY -m load.step_summary "$OUT/logs" "$STEP_TSV" gpu_serve > "$OUT/steps.json"
+  STATUS=$?
+  mv "$OUT/logs/summary.json" "$OUT/summary.json"
+  timeout 10 $PY -m load.gpu_serve report "$OUT" > /dev/null
+  timeout 10 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+  cat "$OUT/steps.json"
+}
+trap 'finish; exit 124' INT TERM
+trap 'finish' EXIT
+# The hard deadline: at TOTAL_S + 5 s whatever step is going is stopped (the main shell, then its
+# children: bash runs the TERM trap once the step's process is gone), and the trap finishes.
+( trap 'kill "$nap" 2>/dev/null; exit 0' TERM  # finish() ends the watchdog: no deadline after the end
+  sleep $((TOTAL_S + 5)) &
+  nap=$!
+  wait "$nap"
+  echo "== hard deadline: $((TOTAL_S + 5)) s; stopping the step in progress"
+  kill -TERM "$MAIN_PID" 2>/dev/null
+  for child in $(pgrep -P "$MAIN_PID"); do [ "$child" != "$BASHPID" ] && kill -TERM "$child" 2>/dev/null; done
+) &
+WATCHDOG=$!
+
+# -- before anything: the port and the GPU free ---------------------------------------------------------
+if [ $DRY = 0 ]; then
+  # A rerun on a warm machine: a killed run leaves Ray (from the carried site) holding both.
+  pkill -TERM -f "(serve|ray\.serve\.scripts) run .*serve_config" 2>/dev/null
+  stop_ray
+elif [ -n "$($PY -c 'from load.gpu_serve import healthz; print(healthz() or "")')" ]; then
+  # On a developer's machine nothing is stopped for it: port 8000 must be free.
+  echo "gpu_serve --dry-run: port 8000 answers (a server is running): stop it first" >&2
+  exit 2
+fi
+fact label "$([ $DRY = 1 ] && echo "dry run (CPU, tiny)" || echo "GPU, profile full") $(date -u +%Y-%m-%dT%H:%MZ)"
+fact device "\"$( (nvidia-smi -L 2>/dev/null || echo "no GPU: $(nproc) CPU cores") | paste -sd';')\""
+
+# -- what was carried ---------------------------------------------------------------------------------
+if [ $DRY = 1 ] && ! ls "$CARRY"/part-*/MANIFEST.json >/dev/null 2>&1; then
+  run_step wheels 300 bash load/gpu_wheels.sh
+fi
+export PY SITE DRY
+run_step install 120 bash -c "source load/steps.sh; install_carried $SITE"
+[ $DRY = 1 ] && rm -rf "$SITE"  # a cp312 site: checked and unpacked, not for this Python
+fact versions "\"$($PY -c 'import sys, torch, ray; print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), ray {ray.__version__}")' 2>&1 | tail -n 1)\""
+
+# -- the app --------------------------------------------------------------------------------------------
+$PY -m load.gpu_serve config "$CONFIG" $([ $DRY = 1 ] && echo --dry-run)
+TOKEN=$($PY -c 'import secrets; print(secrets.token_urlsafe(32))')
+export GAPLESS_TOKENS=$TOKEN GAPLESS_TOKEN=$TOKEN
 fact gpu_memory_before_mib "$(gpu_mem || echo null)"
-start_step cold_start "$COLD_S"
+left=$(left_s)
+start_step cold_start $((COLD_S < left ? COLD_S : left))
 rc=$?
 fact gpu_memory_healthy_mib "$(gpu_mem || echo null)"
 

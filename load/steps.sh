@@ -20,8 +20,11 @@ step() {
 #                        the app's imports are tried. With DRY=1 (a CPU machine of another Python), the same
 #                        join and unpacking, without the import check.
 install_carried() {
-  local dest=$1
-  $PY -m load.wheelhouse install "${CARRY:-.gpu_carry}" "$dest" || return 1
+  local dest=$1 rc
+  $PY -m load.wheelhouse install "${CARRY:-.gpu_carry}" "$dest"
+  rc=$?
+  [ $rc = 3 ] && return 0  # kept: checked when it was unpacked
+  [ $rc = 0 ] || return 1
   echo "$(ls -d "$dest"/*.dist-info | wc -l) distributions in $dest"
   [ "${DRY:-0}" = 1 ] && return 0
   PYTHONPATH="$dest${PYTHONPATH:+:$PYTHONPATH}" $PY -m load.wheelhouse check "$dest" || true  # listed, not fatal

@@ -2,7 +2,7 @@
 
     python -m load.wheelhouse list                      # name==version of every wheel to carry
     python -m load.wheelhouse pack WHEELS_DIR OUT_DIR   # OUT_DIR/part-1/, part-2/, ... each under PART_BYTES
-    python -m load.wheelhouse install OUT_DIR SITE_DIR  # checksums checked, the site unpacked into SITE_DIR
+    python -m load.wheelhouse install OUT_DIR SITE_DIR  # checksums checked, the site unpacked (exit 3: kept)
     python -m load.wheelhouse check SITE_DIR            # requirements of what SITE_DIR holds that nothing meets
 
 ``list`` walks the requirement closure of what the served app and its load tools import, pinned
@@ -147,9 +147,11 @@ def site_archive(wheels_dir: Path, archive: Path, preset: int = 6) -> list[str]:
                         "--no-cache-dir", "--target", str(site), *TARGET_PIP, *map(str, wheels)], check=True)
         files = sorted(str(p.relative_to(site)) for p in site.rglob("*") if not p.is_dir())
         if shutil.which("xz"):  # threads; Python's lzma (what unpacks it) reads the same format
+            listing = Path(scratch) / "files"
+            listing.write_bytes(b"\0".join(f.encode() for f in files))
             with open(archive, "wb") as out:
                 tar = subprocess.Popen(["tar", "-C", str(site), "--mtime=@0", "--owner=0", "--group=0", "--numeric-owner",
-                                        "-cf", "-", "--", *files], stdout=subprocess.PIPE)
+                                        "--null", "-T", str(listing), "-cf", "-"], stdout=subprocess.PIPE)
                 subprocess.run(["xz", "-T0", f"-{preset}", "-c"], stdin=tar.stdout, stdout=out, check=True)
                 if tar.wait() != 0:
                     raise SystemExit("wheelhouse: tar of the installed wheels failed")
@@ -225,27 +227,36 @@ def join(parts_root: Path, dest: Path) -> Path:
     return out_path
 
 
-def install(parts_root: Path, site: Path, python: str = sys.executable) -> str:
+KEPT = 3  # `install`'s exit status when the site was already unpacked from these parts
+
+
+def install(parts_root: Path, site: Path, python: str = sys.executable) -> bool:
     """The carried site joined, checked and unpacked into ``site``, its commands' ``#!`` pointed at
-    ``python``; a site already unpacked from the same parts (a rerun on a warm machine) is kept.
-    Returns what was done, in words."""
+    ``python``. Returns False where ``site`` already holds these parts (a rerun on a warm machine:
+    nothing is unpacked). ``site`` must be empty, absent or one this function made: it is replaced
+    whole (unpacked beside it, then moved into place), never mixed with other files."""
     manifest = _manifest(parts_root)
     stamp = site / ".carried-sha256"
     if stamp.exists() and stamp.read_text() == manifest["sha256"]:
-        return f"{site} already holds these parts ({len(manifest['contents'])} wheels): kept"
-    with tempfile.TemporaryDirectory() as scratch:
+        return False
+    if site.exists() and any(site.iterdir()) and not stamp.exists():
+        raise JoinError(f"{site} holds files that no carried site put there: name an empty or new directory")
+    site.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=site.parent, prefix=f".{site.name}-") as scratch:
         archive = join(parts_root, Path(scratch))
+        unpacked = Path(scratch) / "site"
+        with tarfile.open(archive, "r:xz") as tar:
+            tar.extractall(unpacked, filter="data")
+        for command in (unpacked / "bin").glob("*") if (unpacked / "bin").is_dir() else ():
+            text = command.read_bytes()
+            if text.startswith(b"#!") and b"python" in text.split(b"\n", 1)[0]:
+                command.write_bytes(b"#!" + python.encode() + b"\n" + text.split(b"\n", 1)[1])
+                command.chmod(0o755)
+        (unpacked / stamp.name).write_text(manifest["sha256"])
         if site.exists():
             shutil.rmtree(site)
-        with tarfile.open(archive, "r:xz") as tar:
-            tar.extractall(site, filter="data")
-    for command in (site / "bin").glob("*") if (site / "bin").is_dir() else ():
-        text = command.read_bytes()
-        if text.startswith(b"#!") and b"python" in text.split(b"\n", 1)[0]:
-            command.write_bytes(b"#!" + python.encode() + b"\n" + text.split(b"\n", 1)[1])
-            command.chmod(0o755)
-    stamp.write_text(manifest["sha256"])
-    return f"{len(manifest['contents'])} wheels unpacked into {site}"
+        unpacked.rename(site)
+    return True
 
 
 def unmet(site: Path) -> list[str]:
@@ -295,10 +306,14 @@ def main(argv: list[str] | None = None) -> int:
                           "parts": [{p["dir"]: round(p["bytes"] / MIB, 1)} for p in m["parts"]]}))
     elif args.cmd == "install":
         try:
-            print(install(args.parts_root, args.site))
+            unpacked = install(args.parts_root, args.site)
         except JoinError as e:
             print(f"wheelhouse install: {e}", file=sys.stderr)
             return 1
+        if not unpacked:
+            print(f"{args.site} already holds these parts: kept")
+            return KEPT
+        print(f"unpacked into {args.site}")
     else:
         problems = unmet(args.site)
         print("\n".join(problems) or "every requirement of the carried packages is met")

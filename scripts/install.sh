@@ -46,7 +46,8 @@ fi
 if [ -f requirements.lock ] && .venv/bin/python -c "import sys; sys.exit(sys.version_info[:2] != (3, 11))"; then
   $pip install -q --no-deps -r requirements.lock
   $pip install -q --no-deps -e .
-  case ",${EXTRAS:-dev}," in *,gpu,*) $pip install -q ".[gpu]" ;; esac
+  # vLLM is not in the lock (it brings its own torch and pins): resolved here, the install kept editable
+  case ",${EXTRAS:-dev}," in *,gpu,*) $pip install -q -e ".[gpu]" ;; esac
 else
   $pip install -q -e ".[${EXTRAS:-dev}]"
   $pip install -q --no-deps "moshi==0.2.13" "pipecat-ai==1.14.0"

@@ -49,6 +49,9 @@ from pipeline.adapters.phone.config import carriers_calls, read_phone_section
 from pipeline.adapters.phone.twilio_webhook import TwilioWebhook
 from pipeline.adapters.webrtc.config import read_webrtc_section
 assert webrtc_routes.rtc_peer is None
+import asyncio
+answer = asyncio.run(webrtc_routes.WebRTCRoutes.realtime_call(None, None))  # refused before it reads anything
+assert answer.status_code == 501 and b"webrtc_not_installed" in answer.body, answer.body
 assert read_webrtc_section({"max_candidates": 8}).policy.max_candidates == 8
 assert carriers_calls(read_phone_section({}), {}) == {}
 try:

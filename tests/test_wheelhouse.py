@@ -78,14 +78,18 @@ def test_the_site_is_installed_here_unpacked_there_and_kept_on_a_rerun(tmp_path)
     site = tmp_path / "site"
     there = tmp_path / "python3"  # the other machine's interpreter (here: this one, under another name)
     there.symlink_to(sys.executable)
-    assert "unpacked" in wheelhouse.install(tmp_path / "carry", site, python=str(there))
+    assert wheelhouse.install(tmp_path / "carry", site, python=str(there))
     command = site / "bin" / "demo-carried"
     assert command.read_text().splitlines()[0] == f"#!{there}"  # not the #! of the Python that packed it
     ran = subprocess.run([str(command)], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert ran.stdout == "demo 42\n", ran.stderr  # its module found on PYTHONPATH
-    assert "kept" in wheelhouse.install(tmp_path / "carry", site)  # a rerun: the same parts, nothing unpacked
     (site / "demo_carried" / "__init__.py").unlink()
+    assert not wheelhouse.install(tmp_path / "carry", site)  # a rerun: the same parts, nothing unpacked
+    assert not (site / "demo_carried" / "__init__.py").exists()
+    with pytest.raises(wheelhouse.JoinError, match="holds files that no carried site put there"):
+        wheelhouse.install(tmp_path / "carry", tmp_path / "wheels")  # never unpacked over other files
+    assert (tmp_path / "wheels" / "demo_carried-1.0-py3-none-any.whl").exists()
     first = next((tmp_path / "carry").glob("part-1/site.tar.xz.1"))
     first.write_bytes(first.read_bytes()[:-1])
     with pytest.raises(wheelhouse.JoinError, match="part-1.*not the part that was packed"):
