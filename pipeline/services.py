@@ -257,6 +257,7 @@ class TTSService:
         self._wakeups: dict[object, asyncio.Event] = {}
         self._stepper: asyncio.Task | None = None
         self._failure: BaseException | None = None
+        self._encoding = asyncio.Lock()
         self._unseen = metrics.UNSEEN_SHAPES_AFTER_WARMUP.labels(deployment="tts")
         self._unseen.inc(0)
         self._unseen_seen = engine.stats()["unseen_shape_calls"]
@@ -327,8 +328,16 @@ class TTSService:
 
     async def encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
         """Audio (int16 at ``rate``: a user turn at 16 kHz, a voice clip at 24 kHz) to Mimi codes
-        [T, 32], once, for the context."""
-        codes = await self.thread.run(self.engine.encoder.encode_audio, pcm, rate)
+        [T, 32], once, for the context: a piece of the largest bucket per call on the inference
+        thread, so the streams' frame steps run between the pieces of a long turn (one at a time:
+        the encoder's streaming state is one)."""
+        async with self._encoding:
+            pieces = self.engine.encoder.audio_pieces(pcm, rate)
+            try:
+                while (codes := await self.thread.run(next, pieces)) is None:
+                    pass  # the step loop's next frame step runs here, if any stream is open
+            finally:  # cancelled between pieces: the streaming state closed where it runs
+                await asyncio.shield(self.thread.run(pieces.close))
         self._count_unseen_shapes()
         return codes
 

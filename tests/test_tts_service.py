@@ -92,3 +92,42 @@ def test_many_consumers_at_once_match_alone_and_early_stop_frees_the_slot(served
     for t, codes, ref in zip(texts, got, want):
         np.testing.assert_array_equal(codes, ref, err_msg=t)
     assert engine.active_requests == 0
+
+
+def test_a_long_turn_is_encoded_a_piece_at_a_time_with_frame_steps_between(served, monkeypatch):
+    """A user turn longer than the largest encode bucket (20 s here: three pieces) is encoded for
+    the context one piece per call on the inference thread, so the streams' frame steps run between
+    the pieces: encoded in one call, it held every stream for its whole length (a chunk gap over
+    500 ms in another conversation, tests/e2e/test_door.py). Its codes equal the one-call encode's,
+    and two long encodes at once each get their own (the encoder's streaming state is one)."""
+    from pipeline.audio import speech_like
+    from pipeline.audio_constants import USER_RATE
+
+    engine, thread = served
+    turns = [np.clip(speech_like(20.0, USER_RATE, seed=s) * 32767, -32768, 32767).astype(np.int16) for s in (1, 2)]
+    alone = [thread.call(engine.encoder.encode_audio, pcm, USER_RATE) for pcm in turns]
+    order: list[str] = []  # appended on the inference thread only
+    step, piece = engine.step, engine.encoder.piece_fn
+    monkeypatch.setattr(engine, "step", lambda: (order.append("step"), step())[1])
+    monkeypatch.setattr(engine.encoder, "piece_fn", lambda x: (order.append("piece"), piece(x))[1])
+
+    async def go():
+        svc = TTSService(engine, thread)
+        speaking = asyncio.Event()
+
+        async def reply():
+            async for _ in svc.stream(LONG):
+                speaking.set()
+
+        replies = [asyncio.create_task(reply()) for _ in range(2)]
+        await speaking.wait()  # the streams are stepping
+        one = await svc.encode(turns[0], USER_RATE)
+        both = await asyncio.gather(*(svc.encode(pcm, USER_RATE) for pcm in turns))
+        await asyncio.gather(*replies)
+        return one, both
+
+    one, both = asyncio.run(go())
+    assert np.array_equal(one, alone[0])
+    assert all(np.array_equal(got, want) for got, want in zip(both, alone))
+    first = order.index("piece")
+    assert "step" in order[first:order.index("piece", first + 1)]  # a frame step between the first two pieces

@@ -8,7 +8,7 @@ one-shot encode of the whole. Either way only warmed shapes run (docs/stall.md).
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -38,13 +38,21 @@ class ClipEncoder:
         self.mimi, self.encode_fn, self.piece_fn = mimi, encode, encode_piece
         self.buckets, self.num_codebooks, self.device = buckets, num_codebooks, device
 
-    @torch.inference_mode()
     def encode_wave(self, wav: np.ndarray) -> np.ndarray:
         """Float mono 24 kHz audio -> Mimi codes [T, 32] int64, T = ceil(len / 1920)."""
+        for codes in self._pieces(wav):
+            pass
+        return codes
+
+    @torch.inference_mode()
+    def _pieces(self, wav: np.ndarray) -> Iterator[np.ndarray | None]:
+        """:meth:`encode_wave` one call of the encoder at a time: None after each piece but the
+        last, then the codes. The encoder's streaming state lives from the first piece to the last."""
         wav = np.asarray(wav, dtype=np.float32).reshape(-1)
         n = len(wav)
         if n == 0:
-            return np.zeros((0, self.num_codebooks), dtype=np.int64)
+            yield np.zeros((0, self.num_codebooks), dtype=np.int64)
+            return
         frames = -(-n // CODEC_FRAME_SAMPLES)
         top = self.buckets[-1]
         if frames <= top:
@@ -57,12 +65,26 @@ class ClipEncoder:
             x = np.zeros(-(-n // piece) * piece, dtype=np.float32)
             x[:n] = wav
             xt = torch.from_numpy(x).to(self.device).view(1, 1, -1)
+            parts = []
             with ExitStack() as stack:
                 for m in encode_streaming_modules(self.mimi):
                     stack.enter_context(m.streaming(1))
-                parts = [self.piece_fn(xt[..., a: a + piece]) for a in range(0, len(x), piece)]
+                for a in range(0, len(x), piece):
+                    if parts:
+                        yield None
+                    parts.append(self.piece_fn(xt[..., a: a + piece]))
             codes = torch.cat(parts, dim=-1)[0, :, :frames]
-        return codes.T.cpu().numpy().astype(np.int64)
+        yield codes.T.cpu().numpy().astype(np.int64)
+
+    def audio_pieces(self, pcm: np.ndarray, rate: int) -> Iterator[np.ndarray | None]:
+        """:meth:`encode_audio` a piece per ``next()``: None until the last piece, which gives the
+        codes. Run each ``next()`` on the inference thread, and other work there between them (the
+        batched frame step: one long clip encoded in one call held every stream for its whole
+        length); one such encode at a time, since the encoder's streaming state is one."""
+        from pipeline.audio import int16_to_float, resample
+
+        yield None  # nothing done before the first next(): the resampling runs there too
+        yield from self._pieces(resample(int16_to_float(np.asarray(pcm, dtype=np.int16)), rate, REPLY_RATE))
 
     def encode(self, pcm_24k: np.ndarray) -> np.ndarray:
         """Audio (int16 or float in [-1, 1], mono 24 kHz) -> Mimi codes [T, 32] int64."""
