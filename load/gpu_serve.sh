@@ -44,8 +44,9 @@ if [ $DRY = 1 ]; then
   PY=${PY:-.venv/bin/python}; SITE=$(mktemp -d)
   # a scratch wheelhouse unless one is named: the dry run packs fast (larger parts), never for a lease
   export CARRY=${CARRY:-$(mktemp -d)}
-  TOTAL_S=${TOTAL_S:-900}; COLD_S=300; LEVELS=${LEVELS:-1,2}; LEVEL_S=5; BASELINE_S=2; GAP_TURNS=2
-  TURN_ARGS="--clips 2 --rounds 1 --hands-free-only"
+  # each kind of step once, as short as proves it (CI runs this): one level of 2 conversations a protocol
+  TOTAL_S=${TOTAL_S:-900}; COLD_S=300; LEVELS=${LEVELS:-2}; LEVEL_S=5; BASELINE_S=2; GAP_TURNS=2
+  TURN_ARGS="--clips 1 --rounds 1 --hands-free-only"
   NODE="--num-cpus=8 --num-gpus=1"  # logical CPUs for the config's shares; one GPU to place its GPU shares on
   export XZ_PRESET=0  # the wheelhouse packed fast: the same format, checked and unpacked the same way
 else
