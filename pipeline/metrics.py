@@ -53,8 +53,12 @@ log = logging.getLogger(__name__)
 if os.environ.get(MULTIPROC_ENV):
     os.makedirs(os.environ[MULTIPROC_ENV], exist_ok=True)
 
-# Buckets that resolve the chunk-gap SLO (500 ms) and time-to-first-audio targets.
-LATENCY_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+# Buckets that hold every threshold the alert rules and the record use (grafana/alert_rules.yml;
+# a dead-air gap is one over 150 ms; the chunk-gap SLO is 500 ms, voice-to-voice 1 s, first audio 1.5 s).
+LATENCY_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.5, 2.0,
+                   3.0, 5.0, 10.0)
+TRANSPORTS = ("v1", "realtime", "webrtc", "phone")  # the ``transport`` label's values
+DEAD_AIR_CAUSES = ("recogniser", "llm", "tts", "client", "engine_unavailable")  # pipeline/conversation/dead_air.py
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 AUDIO_CHUNK_GAP = Histogram(
@@ -67,6 +71,20 @@ TIME_TO_FIRST_AUDIO = Histogram(
     "End of the user turn to the first audio message of the reply.",
     buckets=LATENCY_BUCKETS,
 )
+VOICE_TO_VOICE = Histogram(
+    "voice_voice_to_voice_seconds",
+    "End of the user's speech (the VAD's speech end hands-free; turn.end or commit push-to-talk, by the "
+    "client's audio clock) to the reply's first audio sent, by transport.", ["transport"], buckets=LATENCY_BUCKETS)
+BARGE_IN = Histogram(
+    "voice_barge_in_seconds",
+    "Speech onset over a playing reply (by the client's audio clock) to the reply's audio stopping, by transport.",
+    ["transport"], buckets=LATENCY_BUCKETS)
+STT_FINAL = Histogram(
+    "voice_stt_final_seconds", "End of the user's speech to the turn's final transcript.", buckets=LATENCY_BUCKETS)
+DEAD_AIR = Histogram(
+    "voice_dead_air_seconds", "Dead air inside a reply: its audio ran out this long (over 150 ms) before the next "
+    "chunk was sent, by the stage that was late (recogniser, llm, tts, client, engine_unavailable).", ["cause"],
+    buckets=LATENCY_BUCKETS)
 STT_STEP = Histogram("voice_stt_step_seconds", "One batched STT step.", buckets=LATENCY_BUCKETS)
 STT_ACTIVE_STREAMS = Gauge(
     "voice_stt_active_streams", "Streams holding an STT slot.", multiprocess_mode="livesum"
@@ -96,6 +114,15 @@ UNSEEN_SHAPES_AFTER_WARMUP = Counter(
     "Calls of a compiled step with a shape warm-up did not cover, run eagerly instead (should stay 0).",
     ["deployment"],
 )
+# Labelled, so only the TTS replicas' processes have the series (an unlabelled multiprocess gauge
+# is written at 0 by every process that imports this module; a label's child exists once used).
+TTS_SLOTS_BUSY = Gauge(
+    "voice_tts_slots_busy", "TTS slots (streams in the batched step) in use, per TTS replica.", ["deployment"],
+    multiprocess_mode="liveall")
+TTS_SLOTS = Gauge("voice_tts_slots", "TTS slots per TTS replica.", ["deployment"], multiprocess_mode="liveall")
+GPU_UTILIZATION = Gauge(
+    "voice_gpu_utilization_ratio", "Utilisation of a model replica's GPU (NVML: the share of the last sample period "
+    "a kernel ran), 0 to 1. Absent where there is no GPU (or no NVML).", ["deployment"], multiprocess_mode="liveall")
 GPU_MEMORY = Gauge(
     "voice_gpu_memory_bytes", "GPU memory of a model replica's process, from torch's caching allocator: reserved "
     "now, and the most reserved since the process started (peak_reserved). A CUDA context's own ~0.5 GB is not in "
@@ -141,7 +168,25 @@ def webrtc_stats(direction: str, jitter_s: float, lost: int) -> None:
 
 
 class MetricsObserver(Observer):
-    """A conversation's observer that counts into this process's Prometheus series (the gateway's)."""
+    """A conversation's observer that counts into this process's Prometheus series (the gateway's);
+    ``transport``: the session's (one of TRANSPORTS), the label of its latency series."""
+
+    def __init__(self, transport: str = "v1"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: expected one of {TRANSPORTS}")
+        self.transport = transport
+
+    def voice_to_voice(self, seconds: float) -> None:
+        VOICE_TO_VOICE.labels(transport=self.transport).observe(seconds)
+
+    def barge_in(self, seconds: float) -> None:
+        BARGE_IN.labels(transport=self.transport).observe(seconds)
+
+    def stt_final(self, seconds: float) -> None:
+        STT_FINAL.observe(seconds)
+
+    def dead_air(self, seconds: float, cause: str) -> None:
+        DEAD_AIR.labels(cause=cause).observe(seconds)
 
     def chunk_gap(self, seconds: float) -> None:
         AUDIO_CHUNK_GAP.observe(seconds)
@@ -207,6 +252,11 @@ def export_gateway_series() -> None:
         WEBRTC_PACKETS_LOST.labels(direction=direction).inc(0)
     for reason in ("not_public", "own_host", "name", "transport", "malformed"):
         WEBRTC_CANDIDATES_DROPPED.labels(reason=reason).inc(0)
+    for transport in TRANSPORTS:
+        VOICE_TO_VOICE.labels(transport=transport)
+        BARGE_IN.labels(transport=transport)
+    for cause in DEAD_AIR_CAUSES:
+        DEAD_AIR.labels(cause=cause)
     for provider in ("twilio", "telnyx"):
         CALLS.labels(provider=provider).inc(0)
         PHONE_PLAYBACK_DELAY.labels(provider=provider)
@@ -362,22 +412,55 @@ def serve_node_metrics() -> threading.Thread | None:
 
 
 def watch_gpu_memory(deployment: str, period_s: float = 5.0) -> threading.Thread | None:
-    """Keep this process's GPU memory gauges current (a daemon thread reading the allocator's
-    counters, no device sync); nothing where CUDA was never used."""
+    """Keep this process's GPU gauges current (a daemon thread): memory from the allocator's
+    counters (no device sync) and, where NVML is there, the device's utilisation. Nothing where
+    CUDA was never used: the series are absent, not zero."""
     import torch
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
+    nvml = nvml_device(torch.cuda.current_device())
 
     def refresh() -> None:
         while True:
             GPU_MEMORY.labels(deployment=deployment, kind="reserved").set(torch.cuda.memory_reserved())
             GPU_MEMORY.labels(deployment=deployment, kind="peak_reserved").set(torch.cuda.max_memory_reserved())
+            if nvml is not None:
+                GPU_UTILIZATION.labels(deployment=deployment).set(gpu_utilization(*nvml))
             time.sleep(period_s)
 
     thread = threading.Thread(target=refresh, name="gpu-memory", daemon=True)
     thread.start()
     return thread
+
+
+def nvml_device(index: int, visible: str | None = None):
+    """(pynvml, handle) of this process's CUDA device ``index`` (as CUDA_VISIBLE_DEVICES, which Ray
+    sets per replica, numbers it), or None where NVML is not installed or finds no GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no nvidia-ml-py, or no driver: no utilisation series
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "") if visible is None else visible
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    try:
+        if index < len(ids):
+            dev = ids[index]
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(dev)) if dev.isdigit() else \
+                pynvml.nvmlDeviceGetHandleByUUID(dev)
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # noqa: BLE001
+        log.warning("GPU utilisation: NVML does not find CUDA device %d (CUDA_VISIBLE_DEVICES=%r)", index, visible)
+        return None
+    return pynvml, handle
+
+
+def gpu_utilization(pynvml, handle) -> float:
+    """The device's utilisation now, 0 to 1 (NVML's percentage of its last sample period)."""
+    return pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
 
 
 _LIVE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")

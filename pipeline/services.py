@@ -261,6 +261,9 @@ class TTSService:
         self._unseen = metrics.UNSEEN_SHAPES_AFTER_WARMUP.labels(deployment="tts")
         self._unseen.inc(0)
         self._unseen_seen = engine.stats()["unseen_shape_calls"]
+        self._busy = metrics.TTS_SLOTS_BUSY.labels(deployment="tts")
+        metrics.TTS_SLOTS.labels(deployment="tts").set(engine.num_slots)
+        self._busy.set(0)
 
     def _count_unseen_shapes(self) -> None:
         """Export the engine's count of calls with shapes warm-up did not cover (new ones only)."""
@@ -279,6 +282,7 @@ class TTSService:
                     if wake is not None:
                         wake.set()
                 self._count_unseen_shapes()
+                self._busy.set(self.engine.busy_slots)
         except Exception as exc:  # noqa: BLE001 - every open stream learns of it
             log.exception("TTS step failed")
             self._failure = exc
@@ -286,6 +290,7 @@ class TTSService:
                 wake.set()
         finally:
             self._stepper = None
+            self._busy.set(self.engine.busy_slots)
 
     def _ensure_stepping(self) -> None:
         if self._stepper is None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline import metrics
 from pipeline.runtime.threads import InferenceThread
 from pipeline.services import TTSService
 from pipeline.tts.config import TTSConfig
@@ -76,6 +77,8 @@ def test_many_consumers_at_once_match_alone_and_early_stop_frees_the_slot(served
     texts = [SHORT, LONG, "A third one, of middling length.", "Fourth.", "Fifth waits for a slot."]
     want = [_alone(engine, thread, t, 100 + i) for i, t in enumerate(texts)]
 
+    busy = metrics.TTS_SLOTS_BUSY.labels(deployment="tts")
+
     async def go():
         svc = TTSService(engine, thread)
         thread.call(_next_seed, engine, 100)
@@ -85,13 +88,16 @@ def test_many_consumers_at_once_match_alone_and_early_stop_frees_the_slot(served
             await asyncio.sleep(0)
         stopped = svc.stream(LONG)
         await anext(stopped)
+        in_use = busy._value.get()  # voice_tts_slots_busy while every slot is taken
         await stopped.aclose()
-        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120), in_use
 
-    got = asyncio.run(go())
+    got, in_use = asyncio.run(go())
     for t, codes, ref in zip(texts, got, want):
         np.testing.assert_array_equal(codes, ref, err_msg=t)
     assert engine.active_requests == 0
+    assert 1 <= in_use <= engine.num_slots and busy._value.get() == 0  # its stream held a slot; then all freed
+    assert metrics.TTS_SLOTS.labels(deployment="tts")._value.get() == engine.num_slots
 
 
 def test_a_long_turn_is_encoded_a_piece_at_a_time_with_frame_steps_between(served, monkeypatch):

@@ -222,7 +222,12 @@ class TTSEngine:
     @property
     def active_requests(self) -> int:
         """Streams opened and not yet finished or closed (with a slot, or waiting for one)."""
-        return sum(s is not None for s in self._rows) + len(self._waiting)
+        return self.busy_slots + len(self._waiting)
+
+    @property
+    def busy_slots(self) -> int:
+        """Slots a stream holds."""
+        return sum(s is not None for s in self._rows)
 
     def has_work(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self._rows)
