@@ -5,6 +5,7 @@
     gapless talk ...         a turn from the command line (load/talk.py; --help for its options)
     gapless check            what this machine has: Python, the torch build, CUDA and its devices,
                              which real checkpoints are in the Hugging Face cache, the port
+    gapless record ID ...    a session's call record as a timeline (load/record.py; --help)
 """
 from __future__ import annotations
 
@@ -94,12 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", help="a serve config (default: ./serve_config.yaml, else the packaged one)")
     p.set_defaults(run=serve)
     sub.add_parser("talk", help="a turn from the command line (gapless talk --help)", add_help=False)
+    sub.add_parser("record", help="a session's call record as a timeline (gapless record --help)", add_help=False)
     p = sub.add_parser("check", help="what this machine has: Python, torch, CUDA, checkpoints, the port")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.set_defaults(run=check)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["talk"]:  # its options are load/talk.py's, passed on as they are
         return talk(argv[1:])
+    if argv[:1] == ["record"]:  # load/record.py's
+        from load import record
+
+        return record.main(argv[1:], prog="gapless record")
     args = ap.parse_args(argv)
     return args.run(args)
 

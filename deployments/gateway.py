@@ -21,7 +21,7 @@ from deployments import proxy_limits
 from deployments.backends import RayBackends
 from deployments.ingress import PAGE_HEADERS, WEB_DIR, WebSocketConnection, api, deny, refusal_response
 from deployments.phone_routes import PhoneRoutes
-from deployments.session_store import RaySnapshots
+from deployments.session_store import RayRecords, RaySnapshots
 from deployments.webrtc_routes import WebRTCRoutes
 from pipeline import metrics
 from pipeline.adapters.phone.config import read_phone_section
@@ -29,7 +29,7 @@ from pipeline.adapters.realtime.adapter import RealtimeSession
 from pipeline.adapters.v1.adapter import Session
 from pipeline.adapters.v1.options import refuse_options, session_options
 from pipeline.adapters.webrtc.config import read_webrtc_section
-from pipeline.connection import Resumption, SessionRegistry, serve_connection
+from pipeline.connection import Recording, Resumption, SessionRegistry, serve_connection
 from pipeline.conversation.ears.listening import warm_listening
 from pipeline.door.admission import Gatekeeper, Handshake, Refused
 from pipeline.door.auth import TICKET_PARAM, AuthConfig, AuthError, Authenticator, load_tokens
@@ -45,6 +45,7 @@ DRAIN_TIMEOUT_S = 10.0
 HEALTH_TTL_S = 1.0  # /healthz asks the model replicas and Serve's controller at most this often
 # The accepted WebSocket names the gateway replica serving it (which one holds a call, after a resume).
 REPLICA_HEADER = b"x-gapless-replica"
+MAX_SESSION_ID = 64  # a session id is "sess_" and 20 hex digits: a longer ask is cut before the store sees it
 
 def _app_status(app_name: str):
     """This application's status from Serve's controller (a blocking call: run it in a thread)."""
@@ -81,6 +82,7 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
         # v1 sessions are kept resumable in the store every gateway replica shares (deployments/session_store.py)
         window = self.limits.resume_window_s
         self.continuity = Continuity(RaySnapshots(store), window) if store is not None and window > 0 else None
+        self.records = RayRecords(store) if store is not None else None  # every session's call record
         self._drain_watch: asyncio.Task | None = None
         # Who may come in (pipeline/door/admission.py): tokens are read here, in this process, from
         # the environment or file the config names; a token mode without tokens fails the start.
@@ -147,6 +149,28 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
         except Refused as refused:
             return refusal_response(refused)
         return Response(metrics.exposition(), media_type=metrics.CONTENT_TYPE_LATEST)
+
+    def recording(self, hs: Handshake | None, transport: str, principal: str | None = None) -> Recording | None:
+        """Where a session's call record is kept, as the principal of its handshake ``hs``."""
+        if self.records is None:
+            return None
+        return Recording(self.records, principal or self.gate.auth.principal(hs.headers, hs.query), transport)
+
+    @api.get("/v1/sessions/{session_id}/record")
+    async def call_record(self, session_id: str, request: Request):
+        """A session's call record (docs/observability.md), for the principal the session had."""
+        hs = Handshake(dict(request.headers), {}, self.gate.auth.address_of(request))
+        try:
+            self.gate.check_ticket_request(hs)
+        except Refused as refused:
+            return refusal_response(refused)
+        blob = None if self.records is None else await self.records.get_record(
+            session_id[:MAX_SESSION_ID], self.gate.auth.principal(hs.headers, {}))
+        if blob is None:
+            return JSONResponse({"error": {"code": "record_not_found", "message": f"no record of session "
+                                           f"{session_id[:64]!r} for this client (records are kept "
+                                           "for a day, and each is its own session's)"}}, 404)
+        return Response(blob, media_type="application/json", headers={"Cache-Control": "no-store"})
 
     @api.get("/")
     async def page(self):
@@ -253,7 +277,7 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
             resumption = None if self.continuity is None else \
                 Resumption(self.continuity, self.gate.auth.principal(hs.headers, hs.query), hs.query)
             await serve_connection(conn, self.backends, cfg, self.sessions, Session, resumption,
-                                   metrics.MetricsObserver(), voices=self.voices)
+                                   metrics.MetricsObserver("v1"), self.recording(hs, "v1"), voices=self.voices)
 
         await self._serve_websocket(ws, serve)
 
@@ -264,7 +288,8 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
         realtime=v1`` selects the beta event names."""
         async def serve(hs: Handshake, conn: WebSocketConnection) -> None:
             await serve_connection(conn, self.backends, self.session_cfg, self.sessions, RealtimeSession,
-                                   observer=metrics.MetricsObserver(), voices=self.voices, model=hs.query.get("model") or "gapless",
+                                   observer=metrics.MetricsObserver("realtime"), recording=self.recording(hs, "realtime"),
+                                   voices=self.voices, model=hs.query.get("model") or "gapless",
                                    beta="realtime=v1" in hs.headers.get("openai-beta", ""))
 
         await self._serve_websocket(ws, serve)

@@ -18,6 +18,7 @@ from pipeline.adapters.phone.twilio_webhook import TwilioWebhook, WebhookRefused
 from pipeline.door.admission import Handshake, Refused
 from pipeline.door.auth import TICKET_PARAM, AuthError
 from pipeline.door.bodies import MAX_FORM_BYTES
+from pipeline.records.store import CARRIER
 
 
 class PhoneRoutes:
@@ -39,7 +40,8 @@ class PhoneRoutes:
         async def serve(hs: Handshake, conn: WebSocketConnection, admission) -> None:
             metrics.CALLS.labels(provider=provider).inc()
             await serve_call(conn, self.backends, self.session_cfg, self.sessions, provider, self._verify_stream,
-                             admission, self.phone.start_within_s, metrics.MetricsObserver(), voices=self.voices,
+                             admission, self.phone.start_within_s, metrics.MetricsObserver("phone"),
+                             recording=self.recording(None, "phone", CARRIER), voices=self.voices,
                              phone=self.phone, calls=self.call_controls.get(provider))
 
         await self._serve_websocket(ws, serve, carrier=True)

@@ -1,4 +1,5 @@
-"""The session store: the snapshots of resumable conversations, shared by every gateway replica.
+"""The session store: the snapshots of resumable conversations, and the call records of every
+session (pipeline/records/store.py), shared by every gateway replica.
 
 A conversation's gateway replica puts a snapshot here after each turn (pipeline/resume/keeper.py); a
 client that lost its connection, or whose replica drained, resumes on whichever replica Ray's proxy
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from ray import serve
 
+from pipeline.records.store import NoRecord, RecordStore
 from pipeline.resume.tokens import LocalSnapshots, ResumeRefused, SnapshotStore
 
 
@@ -47,12 +49,36 @@ class RaySnapshots:
         return blob, answer
 
 
+class RayRecords:
+    """The call records as a gateway reaches them (``pipeline.records.store.Records``) through the handle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def put_record(self, session_id: str, principal: str, blob: bytes) -> bool:
+        return await self.handle.put_record.remote(session_id, principal, blob)
+
+    async def get_record(self, session_id: str, principal: str) -> bytes | None:
+        return await self.handle.get_record.remote(session_id, principal)
+
+
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 class SessionStore(LocalSnapshots):
     """The store's replica: ``LocalSnapshots``' methods, served to every gateway replica."""
 
-    def __init__(self, window_s: float = 30.0, max_entries: int = 10_000, max_bytes: int = 256 << 20):
+    def __init__(self, window_s: float = 30.0, max_entries: int = 10_000, max_bytes: int = 256 << 20,
+                 records: dict | None = None):
         super().__init__(SnapshotStore(window_s=window_s, max_entries=max_entries, max_bytes=max_bytes))
+        self.records = RecordStore(**(records or {}))  # the sessions' call records (pipeline/records/store.py)
+
+    async def put_record(self, session_id: str, principal: str, blob: bytes) -> bool:
+        return self.records.put(session_id, principal, blob)
+
+    async def get_record(self, session_id: str, principal: str) -> bytes | None:
+        try:
+            return self.records.get(session_id, principal)
+        except NoRecord:
+            return None
 
     async def take(self, token: str, principal: str) -> tuple[bytes, int] | tuple[None, tuple[str, str]]:
         """(snapshot, generation), or (None, (reason, message)) for a refusal: an exception's own

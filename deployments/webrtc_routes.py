@@ -160,7 +160,8 @@ class WebRTCRoutes:
             raise
         metrics.WEBRTC_CALLS.inc()
         self.rtc_calls[peer.id] = peer
-        task = asyncio.create_task(self._serve_call(peer, admission, session, hs.query.get("model")))
+        recording = self.recording(hs, "webrtc")
+        task = asyncio.create_task(self._serve_call(peer, admission, session, hs.query.get("model"), recording))
         self._rtc_tasks.add(task)
         task.add_done_callback(self._rtc_tasks.discard)
         return Response(answer, status_code=201, media_type="application/sdp",
@@ -175,10 +176,11 @@ class WebRTCRoutes:
             query[TICKET_PARAM] = token
         return Handshake(headers, query, self.gate.auth.address_of(request))
 
-    async def _serve_call(self, peer, admission, session: dict | None, model: str | None) -> None:
+    async def _serve_call(self, peer, admission, session: dict | None, model: str | None, recording=None) -> None:
         try:
             await serve_connection(peer, self.backends, self.session_cfg, self.sessions, rtc_adapter.WebRTCSession,
-                                   observer=metrics.MetricsObserver(), voices=self.voices, model=model or "gapless",
+                                   observer=metrics.MetricsObserver("webrtc"), recording=recording,
+                                   voices=self.voices, model=model or "gapless",
                                    peer=peer, session=session)
         finally:
             admission.release()

@@ -20,6 +20,8 @@ from pipeline import errors
 from pipeline.wire import CloseConnection, WireSession
 from pipeline.conversation.observer import Observer
 from pipeline.engines import Backends, ClientGone
+from pipeline.records.keeper import RecordKeeper
+from pipeline.records.store import Records
 from pipeline.resume.keeper import Continuity, Keeper
 from pipeline.resume.tokens import RESUME_PARAM, ResumeRefused, received
 from pipeline.session_config import SessionConfig
@@ -102,15 +104,27 @@ class Resumption:
     query: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass
+class Recording:
+    """Where a session's call record is kept (pipeline/records/), whose it is, and its transport."""
+
+    records: Records
+    principal: str
+    transport: str
+
+    def keeper(self, record, resumed: bool = False) -> RecordKeeper:
+        return RecordKeeper(self.records, record, self.principal, self.transport, resumed)
+
+
 async def serve_connection(conn: Connection, backends: Backends, cfg: SessionConfig,
                            registry: SessionRegistry, session_class: type[WireSession],
                            resumption: Resumption | None = None, observer: Observer | None = None,
-                           **session_args: Any) -> None:
+                           recording: Recording | None = None, **session_args: Any) -> None:
     """Run one client's session (of ``session_class``, built with ``session_args`` besides its
     send, backends, settings and metrics ``observer``): refuse it if the replica is full, else greet it, feed it frames
     until the client leaves or a limit closes it, and release everything it held. With
     ``resumption`` (and a resumable wire), the session is kept resumable, or resumes the one its
-    ``?resume=`` token names."""
+    ``?resume=`` token names; with ``recording``, its call record is kept in that store."""
     # Over 40 lines as one function: a connection's life in order, start to end, under one try.
     observer = observer or Observer()
     if registry.full or registry.draining:
@@ -130,10 +144,13 @@ async def serve_connection(conn: Connection, backends: Backends, cfg: SessionCon
     if snap is not None:
         session.restore(snap, generation, received(resumption.query))
     keeper = Keeper(resumption.continuity, session, resumption.principal, generation) if resumption else None
+    recorder = recording.keeper(session.core.record, resumed=snap is not None) if recording is not None else None
     registry.add(session)
     try:
         if keeper is not None:
             keeper.start()
+        if recorder is not None:
+            recorder.start()
         await session.start()
         if await _receive_loop(conn, session) == LEAVING:
             await _leave(conn, session, keeper)
@@ -150,6 +167,8 @@ async def serve_connection(conn: Connection, backends: Backends, cfg: SessionCon
             await session.close()
             if keeper is not None:
                 await keeper.finish()
+            if recorder is not None:
+                await recorder.finish()
         finally:
             registry.remove(session)
 

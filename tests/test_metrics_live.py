@@ -115,3 +115,12 @@ def test_node_metrics_address():
             assert "GAPLESS_NODE_METRICS" in str(exc)
         else:
             raise AssertionError(bad)
+
+
+def test_gpu_utilisation_is_absent_without_a_gpu():
+    """No NVIDIA driver here: no NVML device, and so no voice_gpu_utilization_ratio series at all
+    (absent, not 0: a dashboard tells "no GPU" from "an idle GPU")."""
+    from pipeline import metrics
+
+    assert metrics.nvml_device(0) is None
+    assert "voice_gpu_utilization_ratio{" not in metrics.exposition().decode()

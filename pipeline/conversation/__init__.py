@@ -6,7 +6,8 @@
 - ``turns.py``: :class:`TurnTaker`: the ears (``ears/``: echo cancellation, VAD, Smart Turn, the
   recogniser's stream) and the audio allowance; it decides when a turn is over.
 - ``replies.py``: the replies and the response lifecycle; ``reply.py``: one reply (LLM -> clauses
-  -> TTS -> paced audio); ``tools.py``: tool calls and what follows them.
+  -> TTS -> paced audio), ``synthesis.py`` its clauses through the TTS, ``dead_air.py`` the gaps in
+  its audio and their causes; ``tools.py``: tool calls and what follows them.
 - ``playback.py``: what the client played; ``keypad.py``: the keys a caller pressed.
 - ``items.py``: the history's edits; ``configurator.py``: settings changed as one.
 - ``history.py``, ``agent.py``, ``calls.py``, ``clauses.py``, ``allowance.py``,

@@ -34,7 +34,8 @@ from pipeline.conversation.events import (CallOver, Emit, Event, PlaybackCut, Re
 from pipeline.conversation.history import History, new_id
 from pipeline.conversation.items import Items
 from pipeline.conversation.keypad import Keypad
-from pipeline.conversation.observer import Observer
+from pipeline.conversation.call_record import CallRecord
+from pipeline.conversation.observer import Observer, Observers
 from pipeline.conversation.playback import Ending, Playback
 from pipeline.conversation.replies import Replies, says_something
 from pipeline.conversation.reply import CANCELLED as REPLY_CANCELLED, COMPLETED
@@ -63,10 +64,13 @@ class Conversation:
         self.wake = wake or asyncio.Event()  # a deadline moved between frames: the receive loop looks again
         self._client_emit = emit
         cfg_now = lambda: self.shared.cfg  # noqa: E731 - the session's settings now (a client may change them)
-        self.shared = s = Shared(self.id, backends, self._emit, observer or Observer(), clock, voices, cfg,
+        self.record = CallRecord(self.id, clock)  # what the call's record keeps (pipeline/records/ stores it)
+        self.shared = s = Shared(self.id, backends, self._emit, Observers(observer or Observer(), self.record),
+                                 clock, voices, cfg,
                                  History(max_chars=cfg.max_history_chars, on_change=self.changed.set),
                                  VoiceContext(backends, cfg_now, self.changed.set, self.id), changed=self.changed)
-        self.turns = TurnTaker(backends, self.id, cfg_now, clock, s.emit, s.error, smart_turn, s.observer.smart_turn)
+        self.turns = TurnTaker(backends, self.id, cfg_now, clock, s.emit, s.error, smart_turn, s.observer.smart_turn,
+                               s.observer.stt_final)
         self.tools = ToolFlow(s)
         self.speculator = Speculator(backends.llm_stream, lambda: s.cfg.engine_timeout_s, s.observer.speculation)
         self.replies = Replies(s, self.tools, self.speculator, lambda: self.turns.ears, self.wake)
@@ -146,6 +150,7 @@ class Conversation:
                 self.wake.set()  # the call may end once the client has played what it has
         elif isinstance(ev, ToolCancelled):
             self.keypad.cancelled(ev.call.call_id)
+        self.record.saw(ev)
         await self._client_emit(ev)
 
     # ------------------------------------------------------------------ hearing
@@ -162,16 +167,18 @@ class Conversation:
         replies, cfg, turn = self.replies, self.shared.cfg, self.turns.user_turn
         if isinstance(d, SpeechOver):
             if replies.interruptible():
-                await replies.barge_in(turn.partial)
+                await replies.barge_in(turn.partial, self.turns.speech_started_at)
             elif not replies.running and (playing := self.playback.cuttable()) is not None:
                 await self._cut_playback(*playing)
+                if self.turns.speech_started_at is not None:
+                    self.shared.observer.barge_in(self.shared.clock() - self.turns.speech_started_at)
             if self.tools.waiting:  # the user speaks over a pending tool call: it is not waited for any more
                 await replies.cancel_calls()
         elif isinstance(d, Words):
             if replies.paused and says_something(d.text, cfg.backchannel_words):
                 await replies.interrupt(send_done=True)  # words: a turn, not a backchannel
             elif d.may_barge_in and replies.interruptible():
-                await replies.barge_in(d.text)
+                await replies.barge_in(d.text, self.turns.speech_started_at)
             await self.shared.emit(TranscriptDelta(self.shared.turn + 1, turn.item_id, d.delta, d.text))
         elif isinstance(d, SpeakingOn):
             await self.speculator.drop(CANCELLED)  # the user speaks on

@@ -73,7 +73,8 @@ class Replies:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, ended_at: float, overrides: dict[str, Any], answers: str | None = None,
-                    script: str | None = None, record: bool = True, metadata: Any = None) -> Reply:
+                    script: str | None = None, record: bool = True, metadata: Any = None,
+                    speech_end: float | None = None) -> Reply:
         """A reply to the history as it is; ``answers``: the user turn it answers ("": an empty
         turn, which gets a reply that ends at once). ``overrides``: agent settings of this reply
         only (checked already). ``script``: a fixed text to say instead of the LLM's; ``record``:
@@ -88,7 +89,7 @@ class Replies:
         llm = await self.speculator.take(messages, settings.sampling()) \
             if script is None and messages is not None else None
         reply = self.reply = Reply(self, s.turn, messages, settings, ended_at, s.context.take_encoding(), overrides,
-                                   script, record, llm=llm, metadata=metadata)
+                                   script, record, llm=llm, metadata=metadata, speech_end=speech_end)
         await s.emit(ReplyStarted(reply, last.id if last is not None else None))
         reply.start()
         return reply
@@ -119,11 +120,15 @@ class Replies:
         await self.speculator.drop(SPECULATION_CANCELLED)
         await self.interrupt(send_done=True, reason="server_shutdown")
 
-    async def barge_in(self, partial: str) -> None:
+    async def barge_in(self, partial: str, onset: float | None = None) -> None:
         """The user speaks over the playing reply: it ends; or, with ``resume_false_interruption``,
         while nothing they said so far is more than a backchannel, it pauses until their speech
-        ends as a turn (then it ends) or as no turn (then it resumes)."""
-        cfg = self.shared.cfg
+        ends as a turn (then it ends) or as no turn (then it resumes). ``onset``: when their speech
+        began (the barge-in's latency, where the reply's audio was playing, is counted from it)."""
+        cfg, reply = self.shared.cfg, self.reply
+        if onset is not None and reply.first_audio_at is not None and not reply.paused:
+            reply.barge_in_s = self.shared.clock() - onset  # its audio stops now (cut or paused below)
+            self.shared.observer.barge_in(reply.barge_in_s)
         if not cfg.resume_false_interruption or says_something(partial, cfg.backchannel_words):
             await self.interrupt(send_done=True, reason="turn_detected")
         elif not self.reply.paused:

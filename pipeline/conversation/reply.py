@@ -19,8 +19,10 @@ import numpy as np
 from pipeline.conversation.agent import AgentSettings
 from pipeline.audio_constants import REPLY_RATE
 from pipeline.conversation.clauses import ClauseSplitter
+from pipeline.conversation.dead_air import CLIENT, ENGINE_UNAVAILABLE, DeadAir
+from pipeline.conversation.synthesis import synthesize
 from pipeline.conversation.observer import Observer
-from pipeline.engines import (BOT_SPEAKER, Backends, ClientGone, EngineBusy, EngineUnavailable, LLMFinish, Segment,
+from pipeline.engines import (Backends, ClientGone, EngineBusy, EngineUnavailable, LLMFinish, Segment,
                               ToolCall, Voice, bounded_stream)
 from pipeline.errors import E_ENGINE_UNAVAILABLE, E_INTERNAL, E_SERVER_BUSY
 from pipeline.conversation.history import new_id
@@ -52,7 +54,8 @@ class ReplyHost(Protocol):
 class Reply:
     def __init__(self, host: ReplyHost, turn: int, messages: list[dict] | None, settings: AgentSettings,
                  ended_at: float, encoding: asyncio.Task | None = None, overrides: dict | None = None,
-                 script: str | None = None, record: bool = True, llm=None, metadata=None):
+                 script: str | None = None, record: bool = True, llm=None, metadata=None,
+                 speech_end: float | None = None):
         self.host = host
         self.metadata = metadata  # the client's own (a Realtime response.create's), carried to its events
         self.turn = turn
@@ -65,7 +68,9 @@ class Reply:
         self.llm = llm  # an LLM stream already started on ``messages`` (pipeline/conversation/speculation.py), if any
         self.record = record  # what it says joins the history (a filler does not)
         self.calls: list[ToolCall] = []  # the tool calls the LLM made (the first one ends the speaking)
-        self.ended_at = ended_at  # when the user's turn ended (voice-to-voice is counted from it)
+        self.ended_at = ended_at  # when the user's turn ended (time to first audio is counted from it)
+        self.speech_end = speech_end  # when the user's speech ended (voice-to-voice); None: no speech
+        self.air = DeadAir(host.clock, host.observer.dead_air)  # gaps in its audio, and their causes
         self.encoding = encoding  # the user's audio joining the TTS context; awaited before the first clause
         self.status = IN_PROGRESS
         self.reason: str | None = None  # why it was cancelled or incomplete
@@ -77,6 +82,7 @@ class Reply:
         self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens, where the LLM told
         self.marks: dict[str, float] = {}  # ms after the reply started: llm_first_token, first_clause, first_audio
         self.played: int | None = None  # samples the client reports it played (None: not reported)
+        self.barge_in_s: float | None = None  # speech over its audio began this long before it stopped
         self.done_sent = False
         self.remembered = False  # its history item has been added
         self.task: asyncio.Task | None = None
@@ -141,6 +147,8 @@ class Reply:
                                             f"reply to turn {self.turn} refused: the server is busy ({exc})")
             except EngineUnavailable as exc:  # a dead or stalled replica ends this reply, not the session
                 log.warning("reply %s (turn %d) cut short: %s", self.id, self.turn, exc)
+                if self.first_audio_at is not None:  # its audio stops here: silence until the next reply
+                    self.air.check(self._runs_out(), self.host.clock(), self._sent_ms(), ENGINE_UNAVAILABLE)
                 self.status, self.reason = FAILED, E_ENGINE_UNAVAILABLE
                 await self.host.reply_error(self, E_ENGINE_UNAVAILABLE,
                                             f"reply to turn {self.turn} cut short: an engine is unavailable ({exc})")
@@ -187,14 +195,14 @@ class Reply:
                     if not delta or self.calls:
                         continue
                     if not self.text:
-                        self._mark("llm_first_token_ms", started)
+                        self.mark("llm_first_token_ms", started)
                     self.text += delta
                     await host.reply_text(self, delta)
                     for clause in splitter.push(delta):
-                        self._mark("first_clause_ms", started)
+                        self.mark("first_clause_ms", started)
                         clauses.put_nowait(clause)
             for clause in splitter.flush():
-                self._mark("first_clause_ms", started)
+                self.mark("first_clause_ms", started)
                 clauses.put_nowait(clause)
             clauses.put_nowait(None)
             if speaker is not None:
@@ -207,8 +215,15 @@ class Reply:
                 self.encoding.cancel()
             raise
 
-    def _mark(self, name: str, started: float) -> None:
+    def mark(self, name: str, started: float) -> None:
         self.marks.setdefault(name, 1000 * (self.host.clock() - started))
+
+    def _runs_out(self) -> float:
+        """When the audio sent so far has played out at the client (pauses skipped)."""
+        return self.first_audio_at + self.samples / REPLY_RATE
+
+    def _sent_ms(self) -> float:
+        return 1000 * self.samples / REPLY_RATE
 
     # ------------------------------------------------------------------ audio
     async def _speak(self, clauses: asyncio.Queue, started: float) -> None:
@@ -219,7 +234,7 @@ class Reply:
         # Over 40 lines as one function: the pacing loop and the state it keeps between chunks.
         host, cfg = self.host, self.host.cfg
         chunks: asyncio.Queue = asyncio.Queue()  # bounded by the reply: its clauses' frames
-        synthesis = asyncio.create_task(self._synthesize(clauses, chunks))
+        synthesis = asyncio.create_task(synthesize(self, clauses, chunks, started))
         seq = 0
         last_at = None
         try:
@@ -231,8 +246,10 @@ class Reply:
                 now = host.clock()
                 if self.first_audio_at is None:
                     self.first_audio_at = now
-                    self._mark("first_audio_ms", started)
+                    self.mark("first_audio_ms", started)
                     host.observer.first_audio(now - self.ended_at)
+                    if self.speech_end is not None:
+                        host.observer.voice_to_voice(now - self.speech_end)
                 elif cfg.pace_lead_s is not None:
                     ahead = self.samples / REPLY_RATE - (now - self.first_audio_at)
                     if ahead > cfg.pace_lead_s:
@@ -243,10 +260,14 @@ class Reply:
                 now = host.clock()
                 if last_at is not None:
                     host.observer.chunk_gap(now - last_at)
+                    # the client's playback ran dry, if it did, and starts again with this chunk
+                    self.first_audio_at += self.air.check(self._runs_out(), now, self._sent_ms())
                 last_at = now
                 if clause is not None:  # the first chunk of a clause: it starts playing now (not before
                     self.spoken.append((self.samples, clause))  # the pace's wait: cut there, it was never said)
+                self.air.stages.wait("sender", CLIENT)
                 await host.reply_audio(self, pcm, seq)
+                self.air.stages.done("sender")
                 self.codes.append(codes)
                 seq += 1
                 self.samples += len(pcm)
@@ -254,39 +275,6 @@ class Reply:
         finally:
             synthesis.cancel()
             await asyncio.gather(synthesis, return_exceptions=True)
-
-    async def _synthesize(self, clauses: asyncio.Queue, chunks: asyncio.Queue) -> None:
-        """Each clause through the TTS, in order, into ``chunks`` as (clause on its first chunk
-        else None, pcm, codes); None at the end, also when it fails. A clause continues the voice
-        of the reply's clauses made before it (their generated codes are its context) unless the
-        voice changed in between."""
-        host = self.host
-        made_text: list[str] = []
-        made_codes: list[np.ndarray] = []
-        made_voice: Voice | None = None
-        try:
-            while (clause := await clauses.get()) is not None:
-                if self.encoding is not None:
-                    await self.encoding  # the user's turn joins the context before the first clause
-                    self.encoding = None
-                voice = host.reply_voice(self)
-                if voice != made_voice:
-                    made_text, made_codes, made_voice = [], [], voice
-                context = host.tts_context()
-                if made_codes:
-                    context.append(Segment(BOT_SPEAKER, " ".join(made_text), np.concatenate(made_codes)))
-                tts = host.backends.tts_stream(clause, context) if voice is None else \
-                    host.backends.tts_stream(clause, context, voice)
-                first = True
-                async with contextlib.aclosing(bounded_stream(tts, host.cfg.engine_timeout_s)) as made:
-                    async for pcm, codes in made:  # (closed at once when cancelled, as the LLM stream above)
-                        chunks.put_nowait((clause if first else None, pcm, codes))
-                        made_codes.append(codes)
-                        first = False
-                if not first:
-                    made_text.append(clause)
-        finally:
-            chunks.put_nowait(None)
 
 
 async def _scripted(text: str):

@@ -71,18 +71,21 @@ Decision = SpeechOver | Words | Pause | SpeakingOn | TurnOver
 class TurnTaker:
     def __init__(self, backends: Backends, stream_id: str, cfg_now: Callable[[], SessionConfig],
                  clock: Callable[[], float], emit: Emit, error: Callable[[str, str], Awaitable[None]],
-                 smart_turn=None, observe_smart_turn: Callable[[float], None] = lambda s: None):
+                 smart_turn=None, observe_smart_turn: Callable[[float], None] = lambda s: None,
+                 observe_stt_final: Callable[[float], None] = lambda s: None):
         self.cfg_now, self.clock, self.emit, self.error = cfg_now, clock, emit, error
         cfg = cfg_now()
         self.recogniser = Recogniser(backends, stream_id, cfg_now, clock, error)
         self.smart_turn = smart_turn
-        self.observe_smart_turn = observe_smart_turn
+        self.observe_smart_turn, self.observe_stt_final = observe_smart_turn, observe_stt_final
         self.ears: Listener | None = None
         self.configure(cfg)
         self.allowance = Allowance(cfg.max_audio_rate, cfg.audio_burst_s, clock)  # audio seconds
         self.ended_by_server = False  # hands-free: the last spoken turn was ended by the server, no speech since
         self.eot_probabilities: list[float] = []  # Smart Turn's last verdicts (at most 100), for tests and tools
         self.audio_s = 0.0  # user audio heard since the last turn ended
+        self.speech_started_at: float | None = None  # on the clock: the last speech onset the VAD heard
+        self.speech_ended_at: float | None = None  # and the last speech end
 
     @property
     def user_turn(self) -> UserTurn:
@@ -114,6 +117,7 @@ class TurnTaker:
                 yield decision
             return
         events = self.ears.hear(pcm)
+        self._time_speech(events)
         if cfg.vad_events:
             for ev in events:
                 kind = SpeechStarted if ev.kind == "speech.started" else SpeechStopped
@@ -133,6 +137,17 @@ class TurnTaker:
         if cfg.turn_detection == "vad" and self.user_turn.open:
             async for decision in self._pause(events, cfg):
                 yield decision
+
+    def _time_speech(self, events: list[VADEvent]) -> None:
+        """When the speech the VAD heard began and ended, on the clock: the frame's last sample
+        arrived now, and each event's sample that many samples of the client's audio before it."""
+        now = self.clock()
+        for ev in events:
+            at = now - (self.ears.position - ev.sample) / USER_RATE
+            if ev.kind == "speech.started":
+                self.speech_started_at = at
+            else:
+                self.speech_ended_at = at
 
     async def _paid(self, seconds: float, cfg: SessionConfig) -> bool:
         if self.allowance.take(seconds):
@@ -216,10 +231,19 @@ class TurnTaker:
             return True
         return False
 
-    async def conclude(self, by: str, finished: tuple[str, list[dict]] | None = None) -> Transcript | None:
+    def speech_end(self, by: str, ended_at: float) -> float:
+        """When the speech of a turn that ``by`` ended at ``ended_at`` ended: where a pause ended
+        it, at the VAD's speech end; where the client (turn.end, commit) or a limit did, then."""
+        if by in ("smart_turn", "silence") and self.speech_ended_at is not None:
+            return min(self.speech_ended_at, ended_at)
+        return ended_at
+
+    async def conclude(self, by: str, finished: tuple[str, list[dict]] | None = None,
+                       speech_end: float | None = None) -> Transcript | None:
         """The spoken turn is over: its transcript (``finished``: already had from a peek in this
         frame), with the slot given back. None when nothing was heard (its slot was refused) or the
-        recogniser failed (the client is told): the turn is dropped, and no number is used."""
+        recogniser failed (the client is told): the turn is dropped, and no number is used.
+        ``speech_end``: when its speech ended (the final transcript's latency is counted from it)."""
         heard = self.user_turn
         if heard.open and not heard.holds_slot:
             self.recogniser.drop()
@@ -239,6 +263,8 @@ class TurnTaker:
         self.recogniser.drop()
         self.ended_by_server = self.cfg_now().turn_detection == "vad" and by in SERVER_ENDS
         text, words = finished
+        if speech_end is not None:
+            self.observe_stt_final(self.clock() - speech_end)
         return Transcript(text, words, heard.joined_audio() if heard.audio else None)
 
     def take_audio_s(self) -> float:

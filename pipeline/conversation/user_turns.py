@@ -63,7 +63,8 @@ class UserTurns:
         ended_at, item_id, paused = self.shared.clock(), turn.item_id, self.replies.paused
         if not paused and not (turn.open and not turn.holds_slot):
             await self.cut()
-        words = await self.turns.conclude(by, finished)
+        speech_end = self.turns.speech_end(by, ended_at)
+        words = await self.turns.conclude(by, finished, speech_end)
         if words is not None and paused and not says_something(words.text, self.shared.cfg.backchannel_words):
             words = None  # a backchannel, or nothing: no turn, no number
         if words is None:
@@ -72,7 +73,7 @@ class UserTurns:
             return None
         if paused:
             await self.cut()
-        return await self._turn_over(words, item_id, by, respond, overrides, ended_at)
+        return await self._turn_over(words, item_id, by, respond, overrides, ended_at, speech_end=speech_end)
 
     async def cut(self) -> None:
         """A new user turn: pending tool calls and the running reply end."""
@@ -80,7 +81,8 @@ class UserTurns:
         await self.replies.interrupt(send_done=True, reason="turn_detected")
 
     async def _turn_over(self, said: Transcript, item_id: str, by: str, respond: bool | None,
-                         overrides: dict[str, Any] | None, ended_at: float, after: str | None = None) -> Item:
+                         overrides: dict[str, Any] | None, ended_at: float, after: str | None = None,
+                         speech_end: float | None = None) -> Item:
         """The turn gets its number and its item (unless empty), the client hears of it, and, if
         ``respond`` (None: as ``reply_on_turn_end`` says), its reply starts."""
         s, history = self.shared, self.shared.history
@@ -95,7 +97,7 @@ class UserTurns:
         await s.emit(TurnEnded(s.turn, item, said.text, said.words, previous, self.turns.take_audio_s()))
         s.observer.turn_ended(by)
         if s.reply_on_turn_end if respond is None else respond:
-            await self.replies.start(ended_at, overrides or {}, answers=item.text)
+            await self.replies.start(ended_at, overrides or {}, answers=item.text, speech_end=speech_end)
         else:
             await self.speculator.drop(MISS)
         return item

@@ -165,7 +165,8 @@ class Gatekeeper:
         return Admission(self.limits, hs.address)
 
     def check_ticket_request(self, hs: Handshake) -> None:
-        """Raise Refused unless ``hs`` may have a ticket (host, origin, a bearer token)."""
+        """Raise Refused unless ``hs`` may have a ticket, or read what its token may (a call's
+        record): the host, the origin, a bearer token."""
         self._check_host(hs)
         self._check_origin(hs)
         self._check_credentials(hs, lambda: self.auth.require_token(hs.headers))

@@ -19,6 +19,7 @@ from load import speech
 from load.realtime_client import RealtimeConversation
 from pipeline.audio import float_to_int16, int16_to_float, resample
 from pipeline.adapters.realtime.client_events import MAX_APPEND_CHARS
+from tests.e2e import observed
 from tests.e2e.serve_process import PORT, REALTIME_URL
 
 pytestmark = [pytest.mark.timeout(600),
@@ -150,8 +151,11 @@ def test_response_cancel(server):
 
 def test_barge_in_by_speech_then_truncate(server):
     """Speech over a playing reply cancels it (status cancelled, turn_detected); the client then
-    truncates the assistant item to what it played, and the item keeps only that."""
+    truncates the assistant item to what it played, and the item keeps only that. /metrics counts
+    the barge-in and the spoken turn's voice-to-voice as Realtime's, and the call's record has both."""
     pcm = speech.espeak(COMPLETE)
+    before = {name: observed.count(name, transport="realtime") for name in ("voice_voice_to_voice_seconds",
+                                                                            "voice_barge_in_seconds")}
 
     async def go():
         async with RealtimeConversation(REALTIME_URL, session={"audio": {"input": {"turn_detection": SERVER_VAD}}}) as c:
@@ -185,6 +189,12 @@ def test_barge_in_by_speech_then_truncate(server):
     # 200 ms: only the first clause had begun playing
     assert kept and len(kept) < len(first.response_text) and said.startswith(kept)
     assert c.errors == []
+    after = {name: observed.count(name, transport="realtime") for name in before}
+    assert all(after[name] >= before[name] + 1 for name in before), (before, after)
+    rec = observed.record(c.seen("session.created")[0]["session"]["id"], lambda r: len(observed.replies(r)) >= 2)
+    assert rec["transport"] == "realtime"
+    cut, answer = observed.replies(rec)[:2]
+    assert cut["status"] == "cancelled" and cut["barge_in_ms"] > 0 and answer["voice_to_voice_ms"] > 0
 
 
 def _response_id(c: RealtimeConversation, tr) -> str:

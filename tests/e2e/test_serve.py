@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +21,7 @@ from load import speech
 from load.client import Conversation, TurnResult
 from pipeline.adapters.v1 import protocol as P
 from pipeline.audio import speech_like
+from tests.e2e import observed
 from tests.e2e.serve_process import HANDS_FREE_URL, PORT, ROOT, URL, healthz
 
 # A session setting (docs/protocol.md) for tests about many turns, not long replies: each reply
@@ -358,17 +361,42 @@ HANDS_FREE = ["Please turn off the lights in the kitchen.", "What is the weather
 def test_hands_free_conversation_without_turn_end(server):
     """The served default: four spoken turns, real-time microphone audio with silence between,
     no turn.end. The VAD opens each turn, Smart Turn ends it, each is answered in full; the
-    client hears speech.started / speech.stopped for each."""
+    client hears speech.started / speech.stopped for each. Then the user speaks over a long reply,
+    which stops. The operator sees it: voice-to-voice and barge-in on /metrics as v1's, and the
+    call's record keeps each turn with its timings and the cut reply with what was heard."""
     clips = [speech.padded(speech.espeak(t), 0.3, 0.0) for t in HANDS_FREE]
+    stop = speech.padded(speech.espeak("Stop."), 0.0, 0.0)
+    before = {name: observed.count(name, transport="v1") for name in ("voice_voice_to_voice_seconds",
+                                                                      "voice_barge_in_seconds")}
 
     async def go():
         async with Conversation(HANDS_FREE_URL) as conv:
             results = [await conv.say_hands_free(pcm, speech_end=len(pcm)) for pcm in clips]
-            return conv, results
+            story = await conv.send_text_turn("Tell me a long story about the sea and ships.")
+            await conv.wait_for(lambda m: story in conv.turns and conv.turns[story].audio_s >= 0.9)
+            cut_in = await conv.say_hands_free(stop, speech_end=len(stop))
+            return conv, results, conv.turns[story], cut_in
 
-    conv, results = run(go())
+    conv, results, story, cut_in = run(go())
     check_served_in_full([e for e in conv.errors], results)
     assert all(r.final_text for r in results)
+    assert story.interrupted and cut_in.turn == story.turn + 1 and cut_in.final_text
+    after = {name: observed.count(name, transport="v1") for name in before}
+    assert after["voice_voice_to_voice_seconds"] >= before["voice_voice_to_voice_seconds"] + len(clips) + 1
+    assert after["voice_barge_in_seconds"] >= before["voice_barge_in_seconds"] + 1
+    rec = observed.record(conv.ready["session_id"], lambda r: len(observed.replies(r)) >= len(clips) + 2)
+    assert rec["transport"] == "v1"
+    spoken = [t for t in rec["turns"] if t["spoken"]]
+    assert [t["user"] for t in spoken[:len(clips)]] == [r.final_text for r in results]
+    assert all(t["stt_final_ms"] is not None and t["ended_by"] in ("smart_turn", "silence") for t in spoken)
+    answers = [t["replies"][0] for t in spoken]
+    assert all(a["voice_to_voice_ms"] > 0 and a["timings"]["first_audio_ms"] > 0 for a in answers)
+    cut = next(t for t in rec["turns"] if not t["spoken"])["replies"][0]
+    assert cut["status"] == "cancelled" and cut["barge_in_ms"] > 0
+    assert cut["heard"] and cut["said"].startswith(cut["heard"].split(".")[0])
+    printed = subprocess.run([sys.executable, "-m", "deployments.cli", "record", conv.ready["session_id"]],
+                             capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0 and "cut by the caller's speech" in printed.stdout, printed.stderr
 
 
 def test_bad_session_option_is_refused(server):

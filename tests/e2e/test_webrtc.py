@@ -13,6 +13,7 @@ from load import speech
 from load.client import Conversation
 from load.webrtc_client import RtcCall
 from tests.door_attacks import offer_sdp
+from tests.e2e import observed
 from tests.e2e.serve_process import PORT, URL
 
 BASE = f"http://127.0.0.1:{PORT}"
@@ -34,6 +35,8 @@ def _settled(call: RtcCall) -> bool:
 def test_a_call_talks_is_cut_in_on_takes_a_typed_turn_and_hangs_up(server):
     question = speech.padded(speech.espeak("Tell me a long story about the old lighthouse."), 0.2, 1.5)
     cut_in = speech.padded(speech.espeak("Stop."), 0.0, 1.5)
+    before = {name: observed.count(name, transport="webrtc") for name in ("voice_voice_to_voice_seconds",
+                                                                          "voice_barge_in_seconds")}
 
     async def go():
         async with RtcCall(BASE, session={"instructions": "Answer briefly.", "max_output_tokens": 12}) as call:
@@ -73,6 +76,13 @@ def test_a_call_talks_is_cut_in_on_takes_a_typed_turn_and_hangs_up(server):
     assert [d["response"]["status"] for d in done[-2:]] != ["cancelled"] * 2
     assert {d["response"]["status"] for d in done[-2:]} <= {"completed", "incomplete"}
     assert hang_up.status_code == 200 and call.closed.is_set()
+    # the operator's view: WebRTC's voice-to-voice and barge-in, and the call's record
+    after = {name: observed.count(name, transport="webrtc") for name in before}
+    assert after["voice_voice_to_voice_seconds"] >= before["voice_voice_to_voice_seconds"] + 2
+    assert after["voice_barge_in_seconds"] >= before["voice_barge_in_seconds"] + 1
+    rec = observed.record(call.of("session.created")[0]["session"]["id"], lambda r: len(observed.replies(r)) >= 3)
+    assert rec["transport"] == "webrtc"
+    assert any(r["status"] == "cancelled" and r["barge_in_ms"] for r in observed.replies(rec))
 
 
 def test_bad_offers_get_their_http_error_and_a_conversation_beside_them_goes_on(server):
