@@ -70,12 +70,14 @@ def dry_run_deployments(gpu: list[dict], tiny: list[dict]) -> list[dict]:
 
 def scrape(url: str, token: str | None) -> dict:
     """What the run records from the app's /metrics: compiles and unseen shapes after warm-up by
-    deployment, GPU memory by replica process, and the gateway's chunk-gap histogram."""
+    deployment, GPU memory and utilisation by replica process, the gateway's chunk-gap histogram,
+    and the server's voice-to-voice and barge-in means by transport."""
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     out: dict = {"compiles_after_warmup": {}, "unseen_shapes_after_warmup": {}, "gpu_memory_mib": {},
-                 "chunk_gaps": {}}
+                 "gpu_utilization": {}, "chunk_gaps": {}, "server_ms": {}}
+    sums: dict = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "voice_compiles_after_warmup_total":
@@ -85,8 +87,16 @@ def scrape(url: str, token: str | None) -> dict:
             elif s.name == "voice_gpu_memory_bytes":
                 key = f"{s.labels['deployment']} (pid {s.labels.get('pid', '?')})"
                 out["gpu_memory_mib"].setdefault(key, {})[s.labels["kind"]] = round(s.value / 2**20)
+            elif s.name == "voice_gpu_utilization_ratio":
+                out["gpu_utilization"][f"{s.labels['deployment']} (pid {s.labels.get('pid', '?')})"] = s.value
             elif s.name == "voice_audio_chunk_gap_seconds_bucket" and s.labels["le"] in ("0.5", "+Inf"):
                 out["chunk_gaps"]["le_0.5" if s.labels["le"] == "0.5" else "all"] = s.value
+            elif s.name.startswith(("voice_voice_to_voice_seconds_", "voice_barge_in_seconds_")) and \
+                    s.name.endswith(("_sum", "_count")) and s.labels.get("transport"):
+                key = f"{s.name.split('_seconds_')[0].removeprefix('voice_')} {s.labels['transport']}"
+                sums.setdefault(key, [0.0, 0.0])[s.name.endswith("_count")] += s.value
+    # the server's own means (end of speech, or speech onset, on the client's audio clock)
+    out["server_ms"] = {k: round(1000 * total / n) for k, (total, n) in sorted(sums.items()) if n}
     gaps = out["chunk_gaps"]
     if gaps:
         gaps["over_0.5"] = gaps.get("all", 0) - gaps.get("le_0.5", 0)
@@ -195,7 +205,9 @@ def report(out: Path) -> str:
         lines += ["", "## After the load (/metrics)", "",
                   f"- compiles after warm-up: {metrics.get('compiles_after_warmup')}",
                   f"- unseen shapes after warm-up: {metrics.get('unseen_shapes_after_warmup')}",
-                  f"- chunk gaps the gateways saw: {metrics.get('chunk_gaps')}", "",
+                  f"- chunk gaps the gateways saw: {metrics.get('chunk_gaps')}",
+                  f"- the server's means (ms): {metrics.get('server_ms')}",
+                  f"- GPU utilisation at the scrape (NVML): {metrics.get('gpu_utilization')}", "",
                   "| replica | reserved MiB | peak reserved MiB |", "|---|---|---|"]
         lines += [f"| {k} | {v.get('reserved')} | {v.get('peak_reserved')} |"
                   for k, v in sorted(metrics.get("gpu_memory_mib", {}).items())]

@@ -76,6 +76,8 @@ def test_dry_run_runs_every_step_against_a_real_serve_run(tmp_path):
     # (the dry run serves the tiny engines uncompiled, so its count is 0 whatever the code does)
     assert set(after["compiles_after_warmup"]) >= {"stt", "llm", "tts"}
     assert after["chunk_gaps"]["all"] > 0  # the gateways saw the load's replies
+    assert after["server_ms"]["voice_to_voice v1"] > 0  # the hands-free turns, by the server's clock
+    assert after["gpu_utilization"] == {}  # no GPU in the dry run: the series is absent
     for protocol in ("v1", "realtime"):
         level = summary[f"cost_{protocol}_2"]["result"]["levels"][0]
         assert level["sessions"] == 2
