@@ -42,6 +42,8 @@ def timeline(rec: dict) -> str:
             t = reply["timings"]
             split = (f"voice-to-voice {_ms(reply['voice_to_voice_ms'])} = turn end {_ms(reply['turn_end_ms'])} + "
                      if reply["voice_to_voice_ms"] is not None else "after the turn's end: ")
+            if reply.get("answers") and reply["answers"] != turn["user"]:
+                lines.append(f"{'':10}  answering {reply['answers']!r}")
             lines.append(f"{'':10}  reply {reply['status']}{' (' + reply['reason'] + ')' if reply['reason'] else ''}: "
                          f"{split}first token {_ms(t.get('llm_first_token_ms'))}, first TTS chunk "
                          f"{_ms(t.get('tts_first_chunk_ms'))}, first audio {_ms(t.get('first_audio_ms'))}")

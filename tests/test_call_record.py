@@ -127,6 +127,7 @@ def test_the_record_keeps_each_turn_what_was_said_and_heard_and_when():
     assert (turn["turn"], turn["user"], turn["spoken"], turn["ended_by"]) == (1, "Count for me", False, "typed")
     (reply,) = turn["replies"]
     assert reply["said"] == reply["heard"] == "Hi there. Bye now."
+    assert reply["answers"] == "Count for me"
     assert reply["status"] == "completed" and reply["audio_ms"] == 4 * 80
     assert reply["voice_to_voice_ms"] is None  # a typed turn: no speech to count from
     assert set(reply["timings"]) == {"llm_first_token_ms", "first_clause_ms", "tts_first_chunk_ms", "first_audio_ms"}

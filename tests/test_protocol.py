@@ -53,5 +53,6 @@ def test_server_messages_roundtrip():
     ready = P.unpack(P.pack(P.session_ready("abc")))
     assert ready == {"type": "session.ready", "session_id": "abc", "input_sample_rate": 16000,
                      "output_sample_rate": 24000, "protocol_version": 1}
+    assert P.session_ready("abc", voices=("default", "robot"))["voices"] == ["default", "robot"]
     assert P.unpack(P.pack(P.response_done(2, True))) == {"type": "response.done", "turn": 2, "interrupted": True}
     assert P.unpack(P.pack(P.error("x", "y"))) == {"type": "error", "code": "x", "message": "y"}

@@ -3,6 +3,10 @@
 import { Microphone, Player } from "./audio.js";
 import { Conversation, TurnStats, conversationUrl, fetchTicket, sampleRates } from "./client.js";
 import { RealtimeCall, TrackMeter, fetchCallKey } from "./webrtc.js";
+import { Live } from "./live.js";
+import { renderTurn as renderRow } from "./turns.js";
+import { DevicePickers } from "./devices.js";
+import { AgentControls } from "./controls.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(window.location.search);
@@ -34,6 +38,8 @@ const state = {
   transport: null, // "webrtc" or "websocket", once connected
   // WebRTC: the reply track as received (RMS of 20 ms windows), and each response's status
   rtc: { windows: 0, loudWindows: 0, peak: 0, responses: [], events: [] },
+  devices: {}, // {microphones, speakers: [{deviceId, label}], canChooseSpeaker, speaker} (web/devices.js)
+  settings: null, // the agent settings last sent (web/controls.js)
 };
 window.gapless = state;
 
@@ -44,6 +50,19 @@ const turnOfResponse = {}; // WebRTC: response id -> the turn it answers
 let pendingEnd = null; // when the page ended the user's turn (text sent, turn.end sent)
 let lastSpeechStopped = null; // hands-free: when the server said the speech stopped
 let flushedTurn = -1; // audio of this turn (interrupted) is not played
+// The live views (web/live.js): agentState(s), timeline, log, record and recordTurns in window.gapless.
+const live = new Live(state, { agent: $("agent-state"), timeline: $("timeline"), log: $("events") }, {
+  responseTurn: (id) => turnOfResponse[id], rtcTurn: () => rtcTurn,
+  onRecordTurns: (turns) => Object.keys(turns).forEach((t) => renderTurn(Number(t))),
+});
+const devices = new DevicePickers($("mic"), $("speaker-out"), $("speaker-note"), $("speaker"), state.devices, (id) => {
+  const switched = mic ? mic.switchTo(id) : call ? call.switchMicrophone(id) : null;
+  if (switched) switched.then(() => live.log.add("microphone", id || "default"), (e) => showError(e.name, e.message));
+});
+// Apply sends the settings over the call there is (web/controls.js); the event log shows them.
+const controls = new AgentControls({ instructions: $("instructions"), voice: $("voice"), voiceOther: $("voice-other"),
+                                     tools: $("tools"), apply: $("apply"), error: $("tools-error") }, state,
+                                   () => [conv, call], (type, summary) => live.log.add(type, summary));
 
 function setStatus(text, cls = "") {
   state.status = text;
@@ -69,20 +88,11 @@ function line(turn, who) {
   return el;
 }
 
-function renderTurn(s) {
-  let row = document.getElementById(`row-${s.turn}`);
-  if (!row) {
-    row = document.createElement("tr");
-    row.id = `row-${s.turn}`;
-    $("turns").querySelector("tbody").appendChild(row);
-  }
-  const ms = (v) => (v === null ? "–" : `${Math.round(v)} ms`);
-  const cells = [s.turn, ms(s.firstChunkMs), ms(s.firstPlayedMs), s.chunks > 1 ? ms(s.largestGapMs) : "–",
-                 s.chunks, s.underruns, s.interrupted === null ? "…" : (s.interrupted ? "yes" : "no")];
-  row.innerHTML = cells.map((c) => `<td>${c}</td>`).join("");
-}
+// A turn's row of the table (web/turns.js): this page's figures, then the server's record.
+const renderTurn = (s, turn = s.turn ?? s) => renderRow($("turns").tBodies[0], turn, state.turns[turn], state.recordTurns[turn]);
 
 function onPlayback(ev) {
+  live.playback(ev, performance.now());
   if (ev.type === "stats") {
     // Counts in reply samples, at the server's output rate (ev.rate).
     state.playback = { played: ev.played, buffered: ev.buffered, underruns: ev.underruns, overflowed: ev.overflowed };
@@ -103,6 +113,7 @@ function onPlayback(ev) {
 function onMessage(msg) {
   state.messages++;
   const now = performance.now();
+  live.v1(msg, now);
   switch (msg.type) {
     case "speech.started":
       setStatus("hearing you…", "connected");
@@ -183,15 +194,18 @@ async function connect() {
   $("error").hidden = true;
   const mode = $("mode").value;
   const token = $("token").value.trim();
+  live.start($("transport").value, token);
   if ($("transport").value === "webrtc") return connectCall(mode, token);
   state.transport = "websocket";
   try {
+    const agent = controls.read(false); // the agent's settings; tools that are not JSON: told now, nothing sent
     setStatus("asking for a ticket…");
     const ticket = await ticketFor(token);
     if (token) sessionStorage.setItem("gapless-token", token);
     setStatus("opening the microphone…");
-    mic = new Microphone((pcm) => { state.micFrames++; conv && conv.audio(pcm); });
+    mic = new Microphone((pcm) => { state.micFrames++; conv && conv.audio(pcm); }, devices.microphone);
     await mic.open();
+    devices.refresh(); // the labels, now that the page may use the microphone
     setStatus("connecting…");
     const options = { turn_detection: mode };
     if (params.get("server_echo_cancellation") === "false") options.echo_cancellation = false;
@@ -202,6 +216,8 @@ async function connect() {
     conv = new Conversation(conversationUrl(ticket.ticket, options), { onMessage, onClose, onDropped, onResumed },
                             reconnectUrl);
     const ready = await conv.open();
+    controls.offer(ready.voices); // the voices this server has (a v1 extension)
+    if (Object.keys(agent).length) controls.send(agent, conv, null);
     // The audio runs at the rates this server announced: the microphone is sent at its input
     // rate, replies are played at its output rate (web/audio.js). A browser that cannot run
     // audio at them fails here, before any audio is sent.
@@ -210,7 +226,7 @@ async function connect() {
     player = new Player($("speaker"), Number($("jitter").value), onPlayback);
     state.player = await player.start(state.rates.output);
     state.microphone = await mic.start(state.rates.input, mode === "vad");
-    connected(`connected (session ${String(ready.session_id).slice(0, 8)})`, mode);
+    connected(`connected (session ${String(ready.session_id).slice(0, 8)})`, mode, ready.session_id);
   } catch (err) {
     // Told once: the server's error before session.ready, a refused ticket or connection, or
     // the microphone or audio failing, each reaches here and nowhere else.
@@ -218,10 +234,11 @@ async function connect() {
   }
 }
 
-function connected(status, mode) {
+function connected(status, mode, sessionId) {
   setStatus(status, "connected");
+  live.connected(sessionId);
   $("connect").textContent = "Disconnect";
-  $("connect").disabled = false;
+  $("connect").disabled = $("apply").disabled = false;
   $("talk").disabled = mode !== "manual";
   $("text").disabled = $("send").disabled = false;
 }
@@ -237,6 +254,7 @@ async function notConnected(err) {
 const LOUD_RMS = 0.01;
 
 function onWindow(rms) {
+  live.loudness(rms > LOUD_RMS, performance.now());
   const r = state.rtc;
   r.windows++;
   r.peak = Math.max(r.peak, rms);
@@ -295,11 +313,13 @@ function onRealtimeEvent(ev) {
       showError(ev.error.code, ev.error.message);
       break;
   }
+  live.realtime(ev, now);
 }
 
 async function connectCall(mode, token) {
   state.transport = "webrtc";
   try {
+    const agent = controls.read(false);
     setStatus("asking for a call key…");
     let key;
     try {
@@ -319,7 +339,11 @@ async function connectCall(mode, token) {
       onClose: (why) => { if (call) { setStatus(`disconnected (${why})`); teardown(); } },
     });
     const detection = mode === "vad" ? { type: "semantic_vad" } : null;
-    await call.open(key, { audio: { input: { turn_detection: detection } } });
+    const session = controls.realtimeSession(agent); // instructions, voice, tools: in the call's own session
+    session.audio = { ...session.audio, input: { turn_detection: detection } };
+    await call.open(key, session, devices.microphone);
+    if (Object.keys(agent).length) controls.sent(agent);
+    devices.refresh();
     connected("connected (WebRTC)", mode);
   } catch (err) {
     await notConnected(err);
@@ -328,11 +352,13 @@ async function connectCall(mode, token) {
 
 function onDropped(code) {
   state.drops.push({ code });
+  live.log.add("dropped", `close ${code}: resuming`);
   setStatus(`connection lost (close ${code}): resuming…`, "failed");
 }
 
 function onResumed(ready) {
   state.resumed++;
+  live.log.add("resumed", `session ${ready.session_id}`);
   setStatus(`connected (session ${String(ready.session_id).slice(0, 8)}, resumed)`, "connected");
 }
 
@@ -341,20 +367,21 @@ function onClose(code, reason) {
   teardown();
 }
 
-async function teardown() {
+async function teardown(why = state.status) {
   const [c, m, p, rc, mt] = [conv, mic, player, call, meter];
   conv = mic = player = call = meter = null;
+  live.stop(why);
   if (rc) rc.close();
   if (mt) mt.stop();
   if (c) c.close();
   if (m) await m.stop();
   if (p) await p.stop();
   $("connect").textContent = "Connect";
-  $("talk").disabled = $("text").disabled = $("send").disabled = true;
+  $("talk").disabled = $("text").disabled = $("send").disabled = $("apply").disabled = true;
   $("talk").setAttribute("aria-pressed", "false");
 }
 
-$("connect").addEventListener("click", () => (conv || call ? teardown().then(() => setStatus("not connected")) : connect()));
+$("connect").addEventListener("click", () => (conv || call ? teardown("Disconnect").then(() => setStatus("not connected")) : connect()));
 
 // Push-to-talk: the first press starts the turn, the second ends it: what the microphone
 // captured up to then goes out, its last partial frame included, and then turn.end.
@@ -373,6 +400,7 @@ $("talk").addEventListener("click", async () => {
     state.talks.push(talk);
     c.turnEnd();
     pendingEnd = performance.now();
+    live.sent("turn.end", "", true);
     $("talk").setAttribute("aria-pressed", "false");
     $("talk").textContent = "Talk";
     $("talk").disabled = conv !== c;
@@ -385,10 +413,12 @@ function talkOverCall() {
   const talking = $("talk").getAttribute("aria-pressed") === "true";
   if (!talking) {
     call.send({ type: "input_audio_buffer.clear" });
+    live.sent("input_audio_buffer.clear");
   } else {
     call.send({ type: "input_audio_buffer.commit" });
     call.send({ type: "response.create" });
     pendingEnd = performance.now();
+    live.sent("input_audio_buffer.commit", "and response.create", true);
   }
   $("talk").setAttribute("aria-pressed", String(!talking));
   $("talk").textContent = talking ? "Talk" : "Done";
@@ -402,12 +432,14 @@ $("typed").addEventListener("submit", (e) => {
                                                           content: [{ type: "input_text", text }] } });
     call.send({ type: "response.create" });
     rtcUserTurn(text, performance.now());
+    live.sent("conversation.item.create", `"${text.slice(0, 60)}" and response.create`, true);
     $("text").value = "";
     return;
   }
   if (!text || !conv) return;
   conv.text(text);
   pendingEnd = performance.now();
+  live.sent("text", `"${text.slice(0, 60)}"`, true);
   $("text").value = "";
 });
 

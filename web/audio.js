@@ -35,11 +35,21 @@ function contextAt(rate) {
   return ctx;
 }
 
+// getUserMedia's audio constraints: the browser's echo canceller and the rest on, and the
+// microphone chosen (web/devices.js; "" or none: the browser's default).
+export function micConstraints(deviceId) {
+  const audio = { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 };
+  if (deviceId) audio.deviceId = { exact: deviceId };
+  return { audio };
+}
+
 export class Microphone {
   // onFrame(ArrayBuffer of int16 at the rate given to start) for every FRAME_MS of captured
-  // audio, and a shorter one for the rest of a push-to-talk turn when it stops.
-  constructor(onFrame) {
+  // audio, and a shorter one for the rest of a push-to-talk turn when it stops. deviceId: the
+  // microphone chosen (web/devices.js), or the browser's default.
+  constructor(onFrame, deviceId = "") {
     this.onFrame = onFrame;
+    this.deviceId = deviceId;
     this.frames = 0;
     this.sent = 0; // samples given to onFrame since the last startSending
     this.stopped = null; // resolves the pending stopSending
@@ -47,9 +57,19 @@ export class Microphone {
 
   // The permission prompt: before a session is opened, so that it does not wait on the user.
   async open() {
-    this.stream = await navigator.mediaDevices.getUserMedia({
-      audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 },
-    });
+    this.stream = await navigator.mediaDevices.getUserMedia(micConstraints(this.deviceId));
+  }
+
+  // Another microphone, mid-call: its stream feeds the same capture worklet.
+  async switchTo(deviceId) {
+    const stream = await navigator.mediaDevices.getUserMedia(micConstraints(deviceId));
+    const source = this.ctx ? this.ctx.createMediaStreamSource(stream) : null;
+    if (source) {
+      source.connect(this.node);
+      this.source.disconnect();
+    }
+    if (this.stream) this.stream.getTracks().forEach((t) => t.stop());
+    [this.stream, this.source, this.deviceId] = [stream, source, deviceId];
   }
 
   // Capture for a session whose input rate is `rate`; `sending`: from now (hands-free), or only
@@ -58,7 +78,7 @@ export class Microphone {
     this.ctx = contextAt(rate);
     let source;
     try {
-      source = this.ctx.createMediaStreamSource(this.stream);
+      source = this.source = this.ctx.createMediaStreamSource(this.stream);
     } catch (err) {
       throw cannotRunAt(rate, err.name); // a browser that connects a microphone only at its own rate
     }
@@ -102,7 +122,7 @@ export class Microphone {
     if (this.stopped) this.stopped({ captured: 0, sent: this.sent });
     if (this.stream) this.stream.getTracks().forEach((t) => t.stop());
     if (this.ctx) await this.ctx.close();
-    this.stream = this.ctx = this.node = this.stopped = null;
+    this.stream = this.ctx = this.node = this.source = this.stopped = null;
   }
 }
 

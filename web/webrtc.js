@@ -1,6 +1,7 @@
 // The OpenAI Realtime protocol over WebRTC (docs/webrtc.md): the microphone goes out as an Opus
 // track with the browser's own echo cancellation and noise suppression, the reply comes back as
 // a track the page plays, and the Realtime events travel on the "oai-events" data channel.
+import { micConstraints } from "./audio.js";
 import { postForJson } from "./client.js";
 
 // An ephemeral key for the call (POST /v1/realtime/client_secrets, as OpenAI's): the page sends
@@ -31,10 +32,9 @@ export class RealtimeCall {
     this.queue = []; // events sent before the channel opened
   }
 
-  async open(key, session) {
-    this.stream = await navigator.mediaDevices.getUserMedia({
-      audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 },
-    });
+  // deviceId: the microphone chosen (web/devices.js), or the browser's default.
+  async open(key, session, deviceId = "") {
+    this.stream = await navigator.mediaDevices.getUserMedia(micConstraints(deviceId));
     const pc = (this.pc = new RTCPeerConnection());
     for (const track of this.stream.getAudioTracks()) pc.addTrack(track, this.stream);
     pc.ontrack = (e) => this.handlers.onTrack(e.streams[0] || new MediaStream([e.track]));
@@ -60,6 +60,16 @@ export class RealtimeCall {
     }
     this.location = r.headers.get("Location");
     await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
+  }
+
+  // Another microphone, mid-call: its track replaces the one the call sends.
+  async switchMicrophone(deviceId) {
+    const stream = await navigator.mediaDevices.getUserMedia(micConstraints(deviceId));
+    const sender = this.pc && this.pc.getSenders().find((s) => s.track && s.track.kind === "audio");
+    if (!sender) return stream.getTracks().forEach((t) => t.stop());
+    await sender.replaceTrack(stream.getAudioTracks()[0]);
+    this.stream.getTracks().forEach((t) => t.stop());
+    this.stream = stream;
   }
 
   send(event) {

@@ -97,8 +97,12 @@ class CallRecord(Observer):
         if len(turn["replies"]) >= MAX_REPLIES:
             return
         first_audio = reply.first_audio_at
+        last = reply.messages[-1] if reply.messages else None  # what it answers (an item a client added, too)
+        answers = last["content"] if isinstance(last, dict) and last.get("role") == "user" and \
+            isinstance(last.get("content"), str) else None
         turn["replies"].append({
             "id": reply.id, "item_id": reply.item_id, "status": reply.status, "reason": reply.reason,
+            "answers": None if answers is None else _clip(answers),
             "said": _clip(reply.text.strip()), "heard": _clip(ev.transcript),
             "audio_ms": round(1000 * reply.samples / REPLY_RATE),
             "turn_end_ms": _ms(reply.ended_at - reply.speech_end) if reply.speech_end is not None else None,

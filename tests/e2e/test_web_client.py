@@ -5,6 +5,10 @@ hands-free (the server's VAD and Smart Turn end the turn), plays the reply throu
 AudioWorklet, then takes typed turns, one of which interrupts the reply before it. What the page
 measured is read from window.gapless (web/app.js). The screenshot is saved in out/.
 
+What the page shows live of a call (web/live.js: the agent's state, the timeline, the server's
+record of each turn in the turns table, the event log, the device pickers) is checked in the two
+talking tests, on either transport (live_view_problems).
+
 Then the page's edges: push-to-talk sends every captured sample before turn.end; the audio
 runs at the rates session.ready announces, and a browser that cannot run audio at them is told
 so and sends none; an error before session.ready is told once; a refused token is not "needs a
@@ -26,6 +30,7 @@ from tests.e2e.serve_process import PORT, ROOT
 BASE = f"http://127.0.0.1:{PORT}"
 PAGE = f"{BASE}/?jitter_ms=120&transport=websocket"
 SCREENSHOT = ROOT / "out" / "web-client.png"
+SCREENSHOT_WEBRTC = ROOT / "out" / "web-client-webrtc.png"
 SECOND = 24_000  # reply samples in one second
 FRAME = 640  # samples in one 40 ms microphone frame at 16 kHz
 
@@ -63,6 +68,60 @@ REFUSES_THE_RATE = {
 }
 
 
+def waited(page: browser.Page, js: str, timeout_s: float) -> bool:
+    """page.wait, that says whether the condition came true instead of raising."""
+    try:
+        page.wait(js, timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - Playwright's TimeoutError: live_view_problems then says what is missing
+        return False
+
+
+def went_through(states: list[dict], turn: int) -> bool:
+    """The agent's state history (window.gapless.agentStates) holds listening, then thinking, speaking
+    and listening for `turn`, in that order (other states may come between)."""
+    path = [("listening", None), ("thinking", turn), ("speaking", turn), ("listening", turn)]
+    for s in states:
+        state, of = path[0]
+        if s["state"] == state and of in (None, s["turn"]):
+            path.pop(0)
+            if not path:
+                return True
+    return False
+
+
+def live_view_problems(page: browser.Page, turn: int, logged: set[str]) -> list[str]:
+    """What the page does not show live of the call (web/live.js), after `turn` (a spoken one)
+    was answered: empty when everything is there. Every check is made and reported together."""
+    waited(page, f"g.record && g.recordTurns[{turn}] && g.recordTurns[{turn}].voice_to_voice_ms > 0", 20)
+    waited(page, "g.timeline.drawn && g.timeline.drawn.speech >= 1 && g.timeline.drawn.reply >= 1", 5)
+    s = page.state()
+    problems = []
+    states = s["agentStates"]
+    if not went_through(states, turn) or len(states) > 200:
+        problems.append(f"agent states: {[(x['state'], x['turn']) for x in states]}")
+    drawn = s["timeline"].get("drawn", {})
+    if not (drawn.get("speech", 0) >= 1 and drawn.get("reply", 0) >= 1):
+        problems.append(f"timeline drew {s['timeline']}")
+    record_turn = next((t for t in (s["record"] or {}).get("turns", []) if t["turn"] == turn), None)
+    reply = next((r for r in (record_turn or {}).get("replies", []) if r["voice_to_voice_ms"]), None)
+    cells = page.page.evaluate(f"""() => Object.fromEntries([...document.querySelectorAll('#row-{turn} td[data-k]')]
+                                                           .map(td => [td.dataset.k, td.textContent]))""")
+    if reply is None or not reply["voice_to_voice_ms"] > 0:
+        problems.append(f"record: turn {turn} has no reply with a voice-to-voice time: {record_turn}")
+    elif (cells.get("v2v"), cells.get("audio")) != (f"{reply['voice_to_voice_ms']} ms",
+                                                    f"{reply['timings'].get('first_audio_ms')} ms"):
+        problems.append(f"turns table row {turn}: {cells}, the record: {reply}")
+    log = s["log"]
+    shown = page.page.locator("#events li").count()
+    if not logged <= {e["type"] for e in log} or not 0 < shown == len(log) <= 200 or log[0]["t"] < log[-1]["t"]:
+        problems.append(f"event log ({shown} shown): {log[:5]} … {log[-5:]}")
+    mics = s["devices"].get("microphones", [])
+    if not mics or page.page.locator("#mic option").count() != len(mics) + 1:
+        problems.append(f"microphones: {s['devices']}")
+    return problems
+
+
 def test_web_client_in_chromium(server, tmp_path: Path):
     mic = speech.padded(speech.espeak("I would like to book a flight to Paris on Friday."), 1.0, 6.0)
     with browser.Page(PAGE, browser.write_mic_wav(tmp_path / "mic.wav", mic)) as page:
@@ -73,6 +132,10 @@ def test_web_client_in_chromium(server, tmp_path: Path):
         assert (s["microphone"]["sampleRate"], s["microphone"]["rate"]) == (16_000, 16_000)
         assert (s["player"]["sampleRate"], s["player"]["rate"]) == (24_000, 24_000)
         assert s["microphone"]["settings"]["echoCancellation"] is True
+        # the voices the server named in session.ready, offered by the voice picker
+        assert "default" in s["voices"], s.get("voices")
+        options = page.page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)")
+        assert options[:len(s["voices"])] == s["voices"]
 
         # 1. A spoken turn, hands-free: its transcript.final shows on the page, its reply plays.
         spoken = page.wait_turn_done(1, timeout_s=60)
@@ -88,6 +151,9 @@ def test_web_client_in_chromium(server, tmp_path: Path):
         s = page.state()
         assert isinstance(s["playback"]["underruns"], int)
         assert page.page.evaluate("() => !document.getElementById('speaker').paused")  # <audio> plays the stream
+        # What the page shows live: the agent's state, the timeline, the record's timings, the log, the pickers.
+        problems = live_view_problems(page, 1, {"speech.started", "transcript.final", "audio", "response.done"})
+        assert not problems, "\n".join(problems)
 
         # 2. A typed turn.
         page.wait("g.playback.buffered === 0", 30)  # the first reply has played out
@@ -105,6 +171,7 @@ def test_web_client_in_chromium(server, tmp_path: Path):
         page.type_turn("Stop, please.")
         page.wait("g.turns[3] && g.turns[3].interrupted === true", 30)
         page.wait("g.started.some(x => x.turn === 4)", 30)
+        waited(page, "g.recordTurns[3]", 10)  # the screenshot shows the record's timings of turns 1 to 3
         s = page.state()
         bot3_class = page.page.get_attribute("#bot-3", "class")
         page.screenshot(SCREENSHOT)
@@ -275,7 +342,13 @@ def test_the_page_talks_over_webrtc_in_chromium(server, tmp_path: Path):
         s = page.state()
         assert s["rtc"]["peak"] > 0.05 and spoken["firstChunkMs"] is not None
         assert "response.output_audio.delta" not in s["rtc"]["events"]  # the audio came over the track
+        waited(page, "g.agentState === 'listening'", 30)  # the reply has played out
         page.type_turn("Can you hear me?")
         typed = page.wait_turn_done(2)
         assert typed["finalText"] == "Can you hear me?" and page.page.inner_text("#bot-2").strip()
+        problems = live_view_problems(page, 1, {"session.created", "input_audio_buffer.speech_started",
+                                                "output_audio_buffer.started", "response.done"})
+        waited(page, "g.recordTurns[2]", 10)  # the screenshot shows the record's timings of both turns
+        page.screenshot(SCREENSHOT_WEBRTC)
+        assert not problems, "\n".join(problems)
         assert not [c for c in page.console if c.startswith("pageerror")], page.console

@@ -13,7 +13,8 @@
 // In:  {type: "chunk", pcm: ArrayBuffer (int16), turn}, {type: "end", turn}, {type: "flush"},
 //      {type: "hold"}, {type: "release"}, {type: "jitter", ms}
 // Out: {type: "started", turn, played} when a turn's first sample plays, {type: "underrun", turn},
-//      {type: "flushed", dropped, played}, and every ~50 ms {type: "stats", played, buffered, underruns, overflowed, rate}.
+//      {type: "rebuffered", turn} when it plays again after an underrun, {type: "flushed", dropped, played},
+//      and every ~50 ms {type: "stats", played, buffered, underruns, overflowed, rate}.
 const CAPACITY = sampleRate * 30; // 30 s: far above what the server's pacing (0.3 s lead) ever sends ahead
 
 class PlaybackProcessor extends AudioWorkletProcessor {
@@ -28,6 +29,7 @@ class PlaybackProcessor extends AudioWorkletProcessor {
     this.held = false; // paused by the server: nothing plays, nothing is dropped
     this.endedTurn = -1; // the newest turn whose last chunk is in
     this.startedTurn = -1;
+    this.dry = null; // the turn that ran dry, until it plays again
     this.played = 0;
     this.underruns = 0;
     this.overflowed = 0;
@@ -59,6 +61,7 @@ class PlaybackProcessor extends AudioWorkletProcessor {
       this.segments = [];
       this.playing = false;
       this.held = false;
+      this.dry = null;
       this.port.postMessage({ type: "flushed", dropped, played: this.played });
     } else if (msg.type === "hold") {
       this.held = true;
@@ -76,6 +79,10 @@ class PlaybackProcessor extends AudioWorkletProcessor {
       const turn = this.segments[0].turn;
       // Start once the jitter buffer is full, or the whole rest of the reply is in.
       if (this.buffered >= this.jitterSamples || this.endedTurn >= turn) this.playing = true;
+      if (this.playing && this.dry !== null) {
+        this.port.postMessage({ type: "rebuffered", turn: this.dry });
+        this.dry = null;
+      }
     }
     while (this.playing && !this.held && i < out.length && this.buffered > 0) {
       const seg = this.segments[0];
@@ -94,6 +101,7 @@ class PlaybackProcessor extends AudioWorkletProcessor {
         // Dry: the reply's end, or an underrun if more of it is still to come.
         if (this.endedTurn < seg.turn) {
           this.underruns++;
+          this.dry = seg.turn;
           this.port.postMessage({ type: "underrun", turn: seg.turn });
           this.segments.push({ turn: seg.turn, left: 0 }); // keep the turn while it rebuffers
         }

@@ -38,12 +38,13 @@ class Session(WireSession):
                  observer: Observer | None = None):
         super().__init__(send, observer)
         self.core = self.conversation(backends, cfg, session_id, smart_turn, voices, _monotonic)
+        self.voices = tuple(voices)  # what session.ready offers
         self._clip: list[np.ndarray] = []  # voice.clip pieces so far
         self._clip_samples = 0
 
     async def start(self) -> None:
         """Greet the client. Nothing is taken from the engines until a spoken turn starts."""
-        await self.send(P.session_ready(self.id, self.resume_fields))
+        await self.send(P.session_ready(self.id, self.resume_fields, self.voices))
 
     async def going_away(self, resume_token: str | None, reason: str) -> None:
         """The reply being sent ends here (response.done, interrupted); the client is told where to go on."""

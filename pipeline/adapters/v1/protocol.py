@@ -180,15 +180,17 @@ def pack(msg: dict) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def session_ready(session_id: str, resume: dict | None = None) -> dict:
+def session_ready(session_id: str, resume: dict | None = None, voices: tuple[str, ...] | None = None) -> dict:
     """``resume`` (v1 extension, where the server keeps sessions resumable): ``resume_token``,
-    ``resume_window_s``, and on a resumed session ``resumed: true`` and ``turn`` (its last turn)."""
+    ``resume_window_s``, and on a resumed session ``resumed: true`` and ``turn`` (its last turn).
+    ``voices`` (v1 extension): the voice names a session may choose."""
     return {
         "type": "session.ready",
         "session_id": session_id,
         "input_sample_rate": USER_RATE,
         "output_sample_rate": REPLY_RATE,
         "protocol_version": PROTOCOL_VERSION,
+        **({"voices": list(voices)} if voices else {}),
         **(resume or {}),
     }
 
