@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from pipeline.records.store import NoRecord, RecordStore
+from pipeline.records.store import LocalRecords, RecordStore
 from pipeline.resume.tokens import LocalSnapshots, ResumeRefused, SnapshotStore
 
 
@@ -63,22 +63,14 @@ class RayRecords:
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
-class SessionStore(LocalSnapshots):
-    """The store's replica: ``LocalSnapshots``' methods, served to every gateway replica."""
+class SessionStore(LocalSnapshots, LocalRecords):
+    """The store's replica: ``LocalSnapshots``' and ``LocalRecords``' methods (the sessions' call
+    records, pipeline/records/store.py), served to every gateway replica."""
 
     def __init__(self, window_s: float = 30.0, max_entries: int = 10_000, max_bytes: int = 256 << 20,
                  records: dict | None = None):
-        super().__init__(SnapshotStore(window_s=window_s, max_entries=max_entries, max_bytes=max_bytes))
-        self.records = RecordStore(**(records or {}))  # the sessions' call records (pipeline/records/store.py)
-
-    async def put_record(self, session_id: str, principal: str, blob: bytes) -> bool:
-        return self.records.put(session_id, principal, blob)
-
-    async def get_record(self, session_id: str, principal: str) -> bytes | None:
-        try:
-            return self.records.get(session_id, principal)
-        except NoRecord:
-            return None
+        LocalSnapshots.__init__(self, SnapshotStore(window_s=window_s, max_entries=max_entries, max_bytes=max_bytes))
+        LocalRecords.__init__(self, RecordStore(**(records or {})))
 
     async def take(self, token: str, principal: str) -> tuple[bytes, int] | tuple[None, tuple[str, str]]:
         """(snapshot, generation), or (None, (reason, message)) for a refusal: an exception's own
