@@ -3,6 +3,10 @@ it offers a microphone track and the ``oai-events`` data channel, POSTs the offe
 ``/v1/realtime/calls`` as OpenAI's documentation says, and then speaks at real time (its track's
 own clock), hears the reply track (each frame's arrival and loudness) and reads the events.
 
+It hears as a browser does by default (``receiver="arrival"``: each packet decoded as it arrives,
+``pipeline/adapters/webrtc/receive.py``); ``receiver="aiortc"`` keeps aiortc's own receiver, which
+holds 80 ms before it decodes.
+
     async with RtcCall("http://127.0.0.1:8000") as call:
         await call.say(pcm16k)                      # then silence, as a microphone does
         await call.wait(lambda c: c.of("response.done"))
@@ -19,6 +23,7 @@ import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+from pipeline.adapters.webrtc import receive
 from pipeline.adapters.webrtc.peer import ClockedAudioTrack
 
 MIC_RATE = 16_000
@@ -49,7 +54,10 @@ class Microphone(ClockedAudioTrack):
 
 class RtcCall:
     def __init__(self, base_url: str = "http://127.0.0.1:8000", credential: str | None = None,
-                 session: dict | None = None, local_address: str | None = None):
+                 session: dict | None = None, local_address: str | None = None, receiver: str = "arrival"):
+        if receiver not in ("arrival", "aiortc"):
+            raise ValueError(f"receiver is 'arrival' or 'aiortc', not {receiver!r}")
+        self.receiver = receiver
         self.base_url, self.credential, self.session = base_url.rstrip("/"), credential, session
         self.local_address = local_address
         self.pc = RTCPeerConnection()
@@ -67,7 +75,7 @@ class RtcCall:
         self.channel = self.pc.createDataChannel("oai-events")
         self.channel.on("message", self._on_event)
         self.channel.on("close", self.closed.set)
-        self.pc.on("track", lambda track: self._tasks.append(asyncio.ensure_future(self._listen(track))))
+        self.pc.on("track", self._on_track)
         await self.pc.setLocalDescription(await self.pc.createOffer())
         answer = await self.post_offer(self.pc.localDescription.sdp)
         answer.raise_for_status()
@@ -127,6 +135,17 @@ class RtcCall:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    def _on_track(self, track) -> None:
+        if self.receiver == "aiortc":
+            self._tasks.append(asyncio.ensure_future(self._listen(track)))
+            return
+        rtp = next(t.receiver for t in self.pc.getTransceivers() if t.receiver.track is track)
+        receive.tap(rtp, receive.OPUS_RATE, self._heard)
+
+    def _heard(self, pcm: np.ndarray) -> None:
+        self.heard.append((time.monotonic(), float(np.sqrt(np.mean(pcm.astype(np.float64) ** 2)))))
+        asyncio.ensure_future(self._notify())
 
     async def _listen(self, track) -> None:
         try:

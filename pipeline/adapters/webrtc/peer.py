@@ -3,8 +3,9 @@
 The browser (or any client written for OpenAI's WebRTC interface) offers audio and a data channel
 named ``oai-events``; :meth:`Peer.answer` checks the offer, answers it, and from then on:
 
-- the caller's Opus, decoded by aiortc, is resampled to the recogniser's rate (PyAV's resampler)
-  and handed to the session as :class:`MicAudio` frames, in order with the channel's events;
+- the caller's Opus is decoded as each packet arrives (``receive.py``: no fixed jitter-buffer
+  hold), at the recogniser's rate, and handed to the session as :class:`MicAudio` frames, in
+  order with the channel's events;
 - the session's reply audio goes into :class:`ReplyTrack`, whose ``recv`` aiortc's sender calls:
   it hands out 20 ms frames on its own clock (as aiortc's ``AudioStreamTrack`` does), reply audio
   where there is some, silence otherwise, so there is no pacing loop of ours beside aiortc's;
@@ -42,6 +43,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.sdp import SessionDescription
 from av import AudioFrame, AudioResampler
 
+from pipeline.adapters.webrtc import receive
 from pipeline.adapters.webrtc.config import MAX_CANDIDATES, IcePolicy  # noqa: F401 - the offer's policy
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
 from pipeline.door.bodies import MAX_SDP_BYTES
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 DATA_CHANNEL = "oai-events"
 ICE_CONNECT_WITHIN_S = 15.0
 FRAME_S = 0.02
+WIRE_RATE = 48_000  # Opus's rate: frames handed to aiortc's encoder at it go out at once
 REPLY_FRAME = int(REPLY_RATE * FRAME_S)  # 480 samples at 24 kHz
 MAX_QUEUED_REPLY_S = 30.0  # reply audio waiting for the track (the session paces it a little ahead)
 MAX_INBOX = 512  # events and 20 ms microphone frames waiting for the session (10 s of audio)
@@ -120,7 +123,12 @@ def check_offer(sdp: str, policy: IcePolicy | None = None) -> tuple[str, Counter
 class ClockedAudioTrack(MediaStreamTrack):
     """An audio track that hands aiortc's sender one frame (``frame`` samples of int16 at
     ``rate``) per frame's duration on its own clock, as aiortc's ``AudioStreamTrack`` does; what
-    the frame holds is ``next_frame()``'s."""
+    the frame holds is ``next_frame()``'s.
+
+    The frame goes out at Opus's own rate (``WIRE_RATE``, upsampled here with PyAV's resampler,
+    whose filter delays it by under a millisecond): handed any other rate, aiortc's encoder
+    resamples into a fixed 960-sample frame and, the resampler holding back its last samples,
+    sends each frame's audio only with the next one, 20 ms late."""
 
     kind = "audio"
 
@@ -129,6 +137,8 @@ class ClockedAudioTrack(MediaStreamTrack):
         self.rate, self.frame = rate, frame
         self._start: float | None = None
         self._timestamp = 0
+        self._wire = AudioResampler(format="s16", layout="mono", rate=WIRE_RATE) if rate != WIRE_RATE else None
+        self._fifo = np.zeros(0, np.int16)  # upsampled audio not yet sent (under a frame)
 
     def next_frame(self) -> np.ndarray:
         raise NotImplementedError
@@ -143,10 +153,21 @@ class ClockedAudioTrack(MediaStreamTrack):
             wait = self._start + self._timestamp / self.rate - time.time()
             if wait > 0:
                 await asyncio.sleep(wait)  # the track's clock: one frame per frame's duration
-        frame = AudioFrame.from_ndarray(self.next_frame().reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate, frame.pts = self.rate, self._timestamp
-        frame.time_base = fractions.Fraction(1, self.rate)
-        return frame
+        return self._to_wire(self.next_frame())
+
+    def _to_wire(self, pcm: np.ndarray) -> AudioFrame:
+        if self._wire is not None:
+            frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate, frame.pts, frame.time_base = self.rate, self._timestamp, fractions.Fraction(1, self.rate)
+            self._fifo = np.concatenate([self._fifo] + [f.to_ndarray().reshape(-1) for f in self._wire.resample(frame)])
+            n = self.frame * WIRE_RATE // self.rate
+            if len(self._fifo) < n:  # the first frame only: the resampler's filter delay, as silence
+                self._fifo = np.concatenate([np.zeros(n - len(self._fifo), np.int16), self._fifo])
+            pcm, self._fifo = self._fifo[:n], self._fifo[n:]
+        out = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        out.sample_rate, out.pts = WIRE_RATE, self._timestamp * WIRE_RATE // self.rate
+        out.time_base = fractions.Fraction(1, WIRE_RATE)
+        return out
 
 
 class ReplyTrack(ClockedAudioTrack):
@@ -211,6 +232,7 @@ class Peer:
         self.channel_open = asyncio.Event()
         self._early: deque[str] = deque(maxlen=MAX_EARLY_EVENTS)  # sent before the channel opened
         self.dropped_mic_frames = 0
+        self.mic: receive.AudioReceive | None = None  # the caller's audio path, once its track is known
         self.on_stats = on_stats or (lambda direction, jitter_s, lost: None)
         self.rtt_s = 0.0  # the latest round trip RTCP measured
         self._tasks: set[asyncio.Task] = set()
@@ -280,18 +302,12 @@ class Peer:
                 self._spawn(self.close())
 
     def _on_track(self, track) -> None:
-        if track.kind == "audio":
-            self._spawn(self._hear(track))
-
-    async def _hear(self, track) -> None:
-        resampler = AudioResampler(format="s16", layout="mono", rate=USER_RATE)
-        try:
-            while True:
-                frame = await track.recv()
-                for out in resampler.resample(frame):
-                    self._put(MicAudio(out.to_ndarray().reshape(-1).astype(np.int16)))
-        except MediaStreamError:
-            pass
+        """The caller's audio: its receiver's packets are decoded as they arrive (``receive.tap``),
+        not after aiortc's 80 ms jitter buffer and decoder thread."""
+        if track.kind != "audio" or self.mic is not None:
+            return
+        receiver = next(t.receiver for t in self.pc.getTransceivers() if t.receiver.track is track)
+        self.mic = receive.tap(receiver, USER_RATE, lambda pcm: self._put(MicAudio(pcm)))
 
     def _on_datachannel(self, channel) -> None:
         if channel.label != DATA_CHANNEL or self.channel is not None:
