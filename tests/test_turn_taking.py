@@ -21,6 +21,7 @@ from pipeline.services import LocalBackends
 from pipeline.adapters.v1.adapter import Session
 from pipeline.session_config import SessionConfig
 from pipeline.conversation.ears.smart_turn import shared_model as smart_turn
+from pipeline.conversation.turns import EOT_RECHECK_MS
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
 from pipeline.conversation.ears.vad import VADSettings, VoiceActivity
@@ -263,8 +264,33 @@ def test_hands_free_turns_without_turn_end(engines, sentence):
     assert [m["turn"] for m in rec.of("response.done")] == [1, 2]
     kinds = [m["type"] for m in rec.msgs if m["type"].startswith("speech.")]
     assert kinds == ["speech.started", "speech.stopped"] * 3  # the pause, the first end, the second end
-    assert s.core.turns.eot_probabilities[0] < 0.5  # at the pause: incomplete, so the turn went on
-    assert all(p >= 0.5 for p in s.core.turns.eot_probabilities[1:])
+    probs = s.core.turns.eot_probabilities
+    at_pause = [p for p in probs if p < 0.5]
+    assert at_pause and probs[:len(at_pause)] == at_pause  # the pause, judged as it grew: incomplete each time
+    assert all(p >= 0.5 for p in probs[len(at_pause):])  # then each end of the sentences: complete
+
+
+def test_a_finished_sentence_smart_turn_doubts_at_first_ends_as_the_silence_grows(engines):
+    """Smart Turn's verdict on a finished sentence can be low when the pause begins and rise as the
+    silence after it grows (espeak's "...to a new flat.": 0.08 at 200 ms, over 0.5 by 500 ms):
+    judged again every EOT_RECHECK_MS, the turn ends then, not at eot_max_silence_ms."""
+    clip = speech.padded(speech.espeak("I need to change my address, I moved last month to a new flat."), 0.3, 1.8)
+
+    async def go():
+        rec = Recorder()
+        s = Session(rec, engines, SessionConfig(pace_lead_s=None, barge_in="off"), observer=TurnEnds(ended_by))
+        await s.start()
+        await _stream(s, clip)
+        await rec.wait(lambda r: r.of("response.done"))
+        await s.close()
+        return rec, s
+
+    ended_by: list[str] = []
+    rec, s = asyncio.run(go())
+    probs = s.core.turns.eot_probabilities
+    assert ended_by == ["smart_turn"] and [m["turn"] for m in rec.of("transcript.final")] == [1]
+    assert probs[0] < 0.5 <= probs[-1]  # doubted at the pause, complete as it grew
+    assert len(probs) <= 1 + (SessionConfig().eot_max_silence_ms - SessionConfig().vad_min_silence_ms) / EOT_RECHECK_MS
 
 
 def test_hands_free_silence_is_no_turn_and_takes_no_slot(engines):

@@ -49,6 +49,10 @@ class CallRecord(Observer):
     def _at(self) -> float:
         return round(self.clock() - self._start, 3)
 
+    def _since_start(self, at: float | None) -> float | None:
+        """A time of the session's clock as seconds since the record began (``started_at`` + it: the wall clock)."""
+        return None if at is None else round(at - self._start, 4)
+
     def _changed(self) -> None:
         self.version += 1
 
@@ -108,6 +112,8 @@ class CallRecord(Observer):
             "turn_end_ms": _ms(reply.ended_at - reply.speech_end) if reply.speech_end is not None else None,
             "voice_to_voice_ms": _ms(first_audio - reply.speech_end)
             if first_audio is not None and reply.speech_end is not None else None,
+            "speech_end_s": self._since_start(reply.speech_end),  # on the record's clock, for load/latency.py
+            "first_audio_s": self._since_start(first_audio),
             "timings": {k: round(reply.marks[k]) for k in MARKS if k in reply.marks},
             "barge_in_ms": _ms(reply.barge_in_s),
             "tool_calls": self._tools.pop(reply.id, []),

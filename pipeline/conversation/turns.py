@@ -23,6 +23,7 @@ from pipeline.conversation.ears.listening import Listener
 from pipeline.session_config import SessionConfig
 from pipeline.conversation.ears.vad import VADEvent
 
+EOT_RECHECK_MS = 100  # Smart Turn runs again after this much more silence in a pause (~25 ms of one core)
 SERVER_ENDS = ("smart_turn", "silence", "endpoint", "max_turn")  # what ends a turn hands-free
 
 
@@ -191,20 +192,26 @@ class TurnTaker:
         return echo is None or not echo.use_cancelled or self.ears.speaking
 
     async def _pause(self, events: list[VADEvent], cfg: SessionConfig) -> AsyncIterator[Decision]:
-        """Hands-free end of turn: at speech.stopped, Smart Turn judges the turn's audio; complete
-        ends the turn now, incomplete waits for speech again or eot_max_silence_ms of silence. With
-        ``eot_threshold`` 0 every pause ends the turn (no model call)."""
+        """Hands-free end of turn: from speech.stopped, Smart Turn judges the turn's audio, and again
+        each ``EOT_RECHECK_MS`` of silence more (its verdict on a finished sentence often rises as
+        the silence after it grows); complete ends the turn then, and eot_max_silence_ms of silence
+        ends it whatever the verdicts. Speech again keeps it open. With ``eot_threshold`` 0 every
+        pause ends the turn (no model call)."""
         heard = self.user_turn
         if self.ears.speaking:
-            heard.eot_deadline = None
+            heard.eot_deadline = heard.eot_check_at_ms = None
             yield SpeakingOn()
             return
+        silence_ms = self.ears.vad.silence_ms
         if any(ev.kind == "speech.stopped" for ev in events):
             yield Pause()
+            heard.eot_deadline = self.clock() + max(0.0, (cfg.eot_max_silence_ms - silence_ms) / 1000)
+            heard.eot_check_at_ms = silence_ms
+        if heard.eot_check_at_ms is not None and silence_ms >= heard.eot_check_at_ms:
+            heard.eot_check_at_ms = silence_ms + EOT_RECHECK_MS
             if await self._complete(heard, cfg) and not self.ears.speaking:
                 yield TurnOver("smart_turn")
                 return
-            heard.eot_deadline = self.clock() + max(0.0, (cfg.eot_max_silence_ms - self.ears.vad.silence_ms) / 1000)
         if heard.eot_deadline is not None and self.ears.vad.silence_ms >= cfg.eot_max_silence_ms:
             yield TurnOver("silence")
 

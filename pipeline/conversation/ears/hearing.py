@@ -40,6 +40,7 @@ class UserTurn:
     slot_taken_at: float = 0.0  # when it got its slot (the max_turn_s clock)
     refused_at: float | None = None  # last refusal of its slot; None: not refused
     eot_deadline: float | None = None  # a pause Smart Turn called incomplete ends the turn then
+    eot_check_at_ms: float | None = None  # in a pause: the silence at which Smart Turn judges it again
 
     def lose_audio(self, now: float) -> bool:
         """Its recogniser stream is gone (refused, or lost with its replica): the audio so far is
