@@ -120,15 +120,30 @@ def test_a_lost_packet_is_concealed_after_a_bounded_wait_and_its_late_arrival_dr
     assert times == sorted(times) and path.reorder.lost == 1 and path.reorder.late == 1
 
 
-def test_duplicates_are_dropped_and_a_gap_wider_than_the_room_is_given_up_at_once():
+def test_a_packet_that_is_not_opus_is_heard_as_a_lost_one_and_the_stream_goes_on(packets):
+    heard = Heard()
+    path = AudioReceive(RATE, heard)
+    for i, payload in enumerate([packets[0], b"\xff" * 40 + b"\x00" * 1000, packets[2], packets[3]]):
+        path.push(i, i * TS, payload, 0.02 * i)
+    pcm = [p for _, p in heard.frames]
+    assert len(pcm) == 4 and not pcm[1].any() and path.undecodable == 1
+    assert np.abs(pcm[3].astype(int)).max() > 500
+
+
+def test_duplicates_are_dropped_and_a_jump_goes_on_from_the_new_packet_without_filling_it():
     r = Reorder(capacity=4)
     assert r.push(10, 0, b"a", 0.0) == [b"a"]
     assert r.push(10, 0, b"a", 0.001) == [] and r.late == 1  # went out already
     assert r.push(12, 2 * TS, b"c", 0.04) == []  # 11 missing: c waits
     assert r.push(12, 2 * TS, b"c", 0.041) == [] and r.duplicates == 1
     assert r.deadline is not None and r.deadline - 0.04 <= MAX_HOLD_S
-    assert r.push(18, 8 * TS, b"i", 0.05) == [LOST, b"c", LOST, LOST]  # 11..14 given up: 15..18 fit
-    assert r.push(15, 5 * TS, b"f", 0.06) == [b"f"]
+    # 30,000 packets on (a sender skipping ahead): what waited goes out, then the new one; no
+    # 30,000 frames of silence are made for the jump
+    assert r.push(30_012, 30_002 * TS % 2**32, b"j", 0.06) == [LOST, b"c", b"j"] and r.resyncs == 1
+    assert r.push(30_013, 30_003 * TS % 2**32, b"k", 0.08) == [b"k"]
+    assert r.push(30_000, 0, b"x", 0.09) == [] and r.late == 2  # just behind: late, dropped
+    assert r.push(500, 0, b"n", 0.10) == [b"n"] and r.resyncs == 2  # far behind: the sender started again
+    assert r.push(501, TS, b"o", 0.12) == [b"o"]
 
 
 def test_a_frame_goes_out_in_its_own_packet_not_the_next_ones():

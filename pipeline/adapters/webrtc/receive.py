@@ -13,7 +13,10 @@ does what a browser's receiver does instead:
   stream's clock stays right and the VAD hears the gap as the pause it was), the waiting ones go
   out in order, and the lost one is dropped if it turns up later;
 - duplicates and packets older than what went out are dropped; sequence numbers wrap at 2^16;
-  at most ``capacity`` packets wait (a gap wider than that is given up at once).
+  at most ``capacity`` packets wait: a jump wider than that (a long outage), or back by more than
+  ``MAX_MISORDER`` (the sender started again), goes on from the new packet, what waited let out
+  first, the jump not filled in (no silence is made for a jump: a sender cannot make this path
+  conceal more than ``capacity`` packets at once).
 
 :class:`Reorder` is the ordering alone (pure: packets and the time in, payloads out),
 :class:`AudioReceive` decodes what it lets out (PyAV's libopus, resampled to the rate wanted) and
@@ -26,6 +29,7 @@ import asyncio
 import time
 from typing import Callable
 
+import av
 import numpy as np
 from av import AudioResampler, CodecContext
 from av.packet import Packet
@@ -35,6 +39,7 @@ FRAME_S = 0.02  # WebRTC's Opus packets carry 20 ms (browsers' ptime)
 MIN_HOLD_S = 0.04  # a packet one place out of order comes a frame (20 ms) after the one behind it
 MAX_HOLD_S = 0.08  # never more than aiortc's fixed hold
 CAPACITY = 32  # packets waiting behind a gap (640 ms)
+MAX_MISORDER = 100  # a packet this far behind is a new start of the sender's numbers (aiortc's rule too)
 
 LOST = None  # what Reorder lets out for a packet that never came
 
@@ -55,7 +60,7 @@ class Reorder:
         self.deadline: float | None = None  # when the missing ``next`` is given up on
         self.jitter_s = 0.0  # RFC 3550's interarrival jitter estimate
         self._transit: float | None = None
-        self.lost = self.late = self.duplicates = 0
+        self.lost = self.late = self.duplicates = self.resyncs = 0
 
     @property
     def hold_s(self) -> float:
@@ -71,16 +76,22 @@ class Reorder:
         if self.next is None:
             self.next = seq
         ahead = _ahead(seq, self.next)
-        if ahead < 0:
+        out: list[bytes | None] = []
+        if ahead >= self.capacity or ahead < -MAX_MISORDER:
+            # a jump (a long outage, or the sender started its numbers again): what waited goes
+            # out, and the stream goes on from here; the jump itself is not filled in
+            if self._waiting:
+                out = self._skip_to(max(self._waiting, key=lambda s: _ahead(s, self.next)) + 1)
+            self.next, ahead = seq, 0
+            self.resyncs += 1
+        elif ahead < 0:
             self.late += 1  # already let out, or given up on
             return []
         if seq in self._waiting:
             self.duplicates += 1
             return []
         self._waiting[seq] = payload
-        out = self._release()
-        if ahead >= self.capacity:  # a gap wider than the room to wait behind it: give it up now
-            out += self._skip_to(seq - self.capacity + 1)
+        out += self._release()
         if self._waiting and self.deadline is None:
             self.deadline = now + self.hold_s
         return out
@@ -127,6 +138,7 @@ class AudioReceive:
         self._decoder.format, self._decoder.layout, self._decoder.sample_rate = "s16", "mono", OPUS_RATE
         self._resampler = AudioResampler(format="s16", layout="mono", rate=rate) if rate != OPUS_RATE else None
         self._frame = int(rate * FRAME_S)
+        self.undecodable = 0  # packets libopus refused (each heard as a lost one)
 
     def push(self, seq: int, timestamp: int, payload: bytes, now: float | None = None) -> None:
         self._out(self.reorder.push(seq, timestamp, payload, time.monotonic() if now is None else now))
@@ -139,7 +151,13 @@ class AudioReceive:
             if payload is LOST:
                 self.deliver(np.zeros(self._frame, np.int16))
                 continue
-            for frame in self._decoder.decode(Packet(payload)):
+            try:
+                frames = self._decoder.decode(Packet(payload))
+            except av.FFmpegError:  # not Opus: the frame is concealed as a lost one
+                self.undecodable += 1
+                self.deliver(np.zeros(self._frame, np.int16))
+                continue
+            for frame in frames:
                 self._frame = int(frame.samples * self.rate / frame.sample_rate)
                 for out in self._resampler.resample(frame) if self._resampler else [frame]:
                     self.deliver(out.to_ndarray().reshape(-1).astype(np.int16))
