@@ -9,7 +9,11 @@ fresh connection, and measures, as the caller hears it, from the true end of the
 client sent its last sample at real time) to the first reply audio at the client: v1's and the
 Realtime WebSocket's first audio message, WebRTC's first loud decoded frame (the caller hears as
 a browser does: packets decoded as they arrive, ``load/webrtc_client.py``), the phone's first
-media frame. Every turn ends by itself (VAD and Smart Turn, the server's defaults).
+media frame. Every turn ends by itself (VAD and Smart Turn, the server's defaults). The clip is
+espeak-ng's: its silence is digital zero unless ``--noise-floor-db`` lays a microphone's noise
+under it (Silero hears a codec's faint tail after digital zero as speech for a window or two
+longer: over WebRTC, Opus's tail moved the VAD's end ~60 ms later than v1's raw samples on 5 of 6
+sentences; under a -60 dBFS floor, as any microphone has, both end alike).
 
 The server's share comes from the call's record (``GET /v1/sessions/{id}/record``): the speech's
 end as the server placed it and the first reply audio it sent, on the wall clock (client and
@@ -17,7 +21,8 @@ server run on one machine here), and the stages between. So each turn splits int
 
     in       the server's end of speech - the client's (the receive path, and where the VAD put the end)
     turn     the end of speech -> the turn's end (VAD silence and Smart Turn)
-    token    -> the LLM's first token     tts   -> the TTS's first chunk     sent  -> first audio sent
+    token    -> the LLM's first token     clause -> its first clause handed to the TTS
+    tts      -> the TTS's first chunk     sent   -> first audio sent
     out      first audio at the client - first audio sent (the send path, the client's decoding)
 
 A phone call's record is its carrier's (a token reads it), so the phone row has the caller's
@@ -41,6 +46,7 @@ from load.client import Conversation, add_token_argument
 from load.phone import Phone, ulaw_frames
 from load.realtime_client import RealtimeConversation
 from load.webrtc_client import RtcCall
+from pipeline.audio_constants import USER_RATE
 
 BASE = "http://127.0.0.1:8000"
 SENTENCES = ["What time does the museum open tomorrow?", "Can you book a table for two people tonight?",
@@ -49,7 +55,8 @@ SENTENCES = ["What time does the museum open tomorrow?", "Can you book a table f
 TRANSPORTS = ("v1", "realtime", "webrtc", "phone")
 SHORT = 24  # reply tokens (every load tool's reply length on CPU)
 LEAD_S = 0.3  # silence before the speech
-STAGES = ("in", "turn", "token", "tts", "sent", "out")
+TAIL_S = 2.5  # and after it (the turn ends within it: the silence fallback is 1.5 s)
+STAGES = ("in", "turn", "token", "clause", "tts", "sent", "out")
 
 
 def wall(monotonic: float) -> float:
@@ -57,44 +64,53 @@ def wall(monotonic: float) -> float:
     return time.time() - (time.monotonic() - monotonic)
 
 
-async def v1_turn(base: str, pcm: np.ndarray, token: str | None) -> dict:
+async def v1_turn(base: str, clip: np.ndarray, speech_end: int, token: str | None) -> dict:
     async with Conversation(base.replace("http", "ws") + "/v1/conversation", token=token) as conv:
         await conv.update(max_output_tokens=SHORT)
-        clip = speech.padded(pcm, LEAD_S, 0.0)
-        turn = await conv.say_hands_free(clip, speech_end=len(clip))
+        turn = await conv.say_hands_free(clip, speech_end=speech_end)
         return {"session_id": conv.ready["session_id"], "ended": wall(turn.ended_at),
                 "heard": wall(turn.chunk_times[0])}
 
 
-async def realtime_turn(base: str, pcm: np.ndarray, token: str | None) -> dict:
+async def realtime_turn(base: str, clip: np.ndarray, speech_end: int, token: str | None) -> dict:
     hands_free = {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "create_response": True}}},
                   "max_output_tokens": SHORT}
     async with RealtimeConversation(base.replace("http", "ws") + "/v1/realtime", token=token,
                                     session=hands_free) as conv:
         heard = lambda: next((t for t, e in conv.events if e["type"] == "response.output_audio.delta"), None)  # noqa: E731
-        ended = await conv.speak(speech.padded(pcm, LEAD_S, 0.0), until=lambda: heard() is not None)
+        spoken_until = await conv.speak(clip, until=lambda: heard() is not None)
         await conv.wait_for(lambda e: e["type"] == "response.done", 60)
+        ended = spoken_until - (len(clip) - speech_end) / USER_RATE
         return {"session_id": conv.session["id"], "ended": wall(ended), "heard": wall(heard())}
 
 
-async def webrtc_turn(base: str, pcm: np.ndarray, token: str | None) -> dict:
+async def webrtc_turn(base: str, clip: np.ndarray, speech_end: int, token: str | None) -> dict:
     async with RtcCall(base, credential=token, session={"max_output_tokens": SHORT}) as call:
         await call.wait(lambda c: c.of("session.created"))
-        await call.say(speech.padded(pcm, LEAD_S, 2.0), speech_end=int(LEAD_S * 16_000) + len(pcm))
+        await call.say(clip, speech_end=speech_end)
         await call.wait(lambda c: c.mic.speech_ended_at is not None and c.loud_after(c.mic.speech_ended_at), 60)
         await call.wait(lambda c: c.of("response.done"), 60)
         return {"session_id": call.of("session.created")[0]["session"]["id"], "ended": wall(call.mic.speech_ended_at),
                 "heard": wall(call.loud_after(call.mic.speech_ended_at)[0])}
 
 
-async def phone_turn(base: str, pcm: np.ndarray, token: str | None) -> dict:
+async def phone_turn(base: str, clip: np.ndarray, speech_end: int, token: str | None) -> dict:
     async with Phone(base.replace("http", "ws") + "/v1/phone/twilio", parameters={"ticket": token} if token else None) as phone:
-        await phone.speak(ulaw_frames(np.zeros(int(LEAD_S * 16_000), np.int16)))
-        ended = await phone.speak(ulaw_frames(pcm))
-        await phone.speak(ulaw_frames(np.zeros(2 * 16_000, np.int16)))
+        spoken_until = await phone.speak(ulaw_frames(clip))
+        ended = spoken_until - (len(clip) - speech_end) / USER_RATE
         await phone.reply_heard(ended)
         await phone.hang_up()
         return {"session_id": None, "ended": wall(ended), "heard": wall(next(t for t in phone.first_audio_after if t > ended))}
+
+
+def spoken(pcm: np.ndarray, noise_floor_db: float | None, seed: int) -> tuple[np.ndarray, int]:
+    """The clip a microphone sends: LEAD_S of silence, the speech, TAIL_S of silence; with a noise
+    floor (white noise at ``noise_floor_db`` dBFS over all of it, as any real microphone has),
+    or digital silence (None). Returns it and the sample where the speech ends."""
+    clip = speech.padded(pcm, LEAD_S, TAIL_S).astype(np.float64)
+    if noise_floor_db is not None:
+        clip += np.random.default_rng(seed).normal(0, 32768 * 10 ** (noise_floor_db / 20), len(clip))
+    return np.clip(clip, -32768, 32767).astype(np.int16), int(LEAD_S * USER_RATE) + len(pcm)
 
 
 TURNS = {"v1": v1_turn, "realtime": realtime_turn, "webrtc": webrtc_turn, "phone": phone_turn}
@@ -130,6 +146,7 @@ def split(got: dict, found: dict | None) -> dict:
     t = reply["timings"]
     row.update({"in": 1000 * (speech_end - got["ended"]), "turn": reply["turn_end_ms"],
                 "token": reply["turn_end_ms"] + t["llm_first_token_ms"] if "llm_first_token_ms" in t else None,
+                "clause": reply["turn_end_ms"] + t["first_clause_ms"] if "first_clause_ms" in t else None,
                 "tts": reply["turn_end_ms"] + t["tts_first_chunk_ms"] if "tts_first_chunk_ms" in t else None,
                 "sent": reply["voice_to_voice_ms"], "out": 1000 * (got["heard"] - sent),
                 "ended_by": found["turn"].get("ended_by")})
@@ -149,14 +166,15 @@ async def main_async(args) -> dict:
     rows: list[dict] = []
     for r in range(args.rounds):
         sentence = SENTENCES[r % len(SENTENCES)]
+        clip, speech_end = spoken(clips[sentence], args.noise_floor_db, r)
         row = {"round": r, "sentence": sentence}
         for name in random.sample(args.transports, len(args.transports)):
-            got = await TURNS[name](args.base, clips[sentence], args.token)
+            got = await TURNS[name](args.base, clip, speech_end, args.token)
             found = None if got["session_id"] is None else await asyncio.to_thread(
                 fetch_record, args.base, got["session_id"], args.token)
             row[name] = split(got, found)
         rows.append(row)
-    out = {"rounds": len(rows), "transports": {}, "paired_minus_v1_ms": {}, "rows": rows}
+    out = {"rounds": len(rows), "noise_floor_db": args.noise_floor_db, "transports": {}, "paired_minus_v1_ms": {}, "rows": rows}
     for name in args.transports:
         out["transports"][name] = {k: _stat([row[name].get(k) for row in rows]) for k in ("v2v", *STAGES)}
         if name != "v1" and "v1" in args.transports:
@@ -166,7 +184,9 @@ async def main_async(args) -> dict:
 
 def table(res: dict) -> str:
     cell = lambda s: "-" if s is None else f"{s['p50']:.0f} [{s['min']:.0f}-{s['max']:.0f}]"  # noqa: E731
-    lines = [f"voice-to-voice at the caller and its split, ms, median [min-max] over {res['rounds']} paired rounds",
+    floor = "digital silence" if res["noise_floor_db"] is None else f"a {res['noise_floor_db']:g} dBFS noise floor"
+    lines = [f"voice-to-voice at the caller and its split, ms, median [min-max] over {res['rounds']} paired rounds "
+             f"({floor} around the speech)",
              "| transport | voice-to-voice | p90 | " + " | ".join(STAGES) + " |",
              "|---|---|---|" + "---|" * len(STAGES)]
     for name, st in res["transports"].items():
@@ -183,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--transports", default=",".join(TRANSPORTS),
                     type=lambda v: [t for t in v.split(",") if t in TURNS] or list(TRANSPORTS))
+    ap.add_argument("--noise-floor-db", type=lambda v: None if v == "none" else float(v), default=None,
+                    help="white noise under the clip at this dBFS (e.g. -60, a quiet room's microphone); "
+                         "none (the default): espeak-ng's digital silence")
     add_token_argument(ap)
     args = ap.parse_args(argv)
     res = asyncio.run(main_async(args))
