@@ -47,3 +47,5 @@ def test_reply_audio_encoded_chunk_by_chunk_comes_out_whole():
     enc = Encoder(PCMU)
     out = b"".join(enc.encode(pcm[i:i + 1920]) for i in range(0, len(pcm), 1920)) + enc.encode(np.zeros(0, np.int16), last=True)
     assert len(out) == 8000  # one μ-law byte a sample at 8 kHz, none lost to the filter
+    again = enc.encode(pcm[:1920]) + enc.encode(np.zeros(0, np.int16), last=True)  # the stream starts again
+    assert len(again) == 640

@@ -5,7 +5,7 @@ receive 16-bit PCM at 24 kHz (``audio/pcm``) or G.711 at 8 kHz (``audio/pcmu`` Î
 ``audio/pcma`` A-law: telephony). An :class:`AudioFormat` names one of these;
 :class:`Decoder` and :class:`Encoder` convert a stream of chunks, with FFmpeg's resampler
 (PyAV's ``AudioResampler``: its state carries across chunks, so chunk edges add no clicks, and it
-holds back only its filter's few samples, under a millisecond) and the standard library's G.711
+holds back only its filter's few samples, 1 to 2 ms) and the standard library's G.711
 codec (``audioop``; the ``audioop-lts`` package on Python 3.13+). soxr's streaming resampler, used
 before, emits in blocks: fed a phone's 20 ms frames it held 63 ms of the caller's audio on
 average (115 ms at most) from 8 to 16 kHz, and 22 ms from 24 to 16 kHz, before the VAD heard it.
@@ -71,7 +71,7 @@ class _Resampler:
     ``last`` flushes the filter's held samples (the stream ends there)."""
 
     def __init__(self, src: int, dst: int):
-        self.src = src
+        self.src, self.dst = src, dst
         self._swr = AudioResampler(format="s16", layout="mono", rate=dst) if src != dst else None
         self._pts = 0
 
@@ -85,8 +85,9 @@ class _Resampler:
             frame.sample_rate, frame.pts, frame.time_base = self.src, self._pts, fractions.Fraction(1, self.src)
             self._pts += len(pcm)
             frames += self._swr.resample(frame)
-        if last:
+        if last:  # flushed, FFmpeg's resampler takes no more: a new stream starts with a new one
             frames += self._swr.resample(None)
+            self._swr, self._pts = AudioResampler(format="s16", layout="mono", rate=self.dst), 0
         return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]) if frames else np.zeros(0, np.int16)
 
 

@@ -353,13 +353,12 @@ def test_server_busy_over_max_sessions(server):
     assert ready["type"] == "session.ready"
 
 
-HANDS_FREE = ["Please turn off the lights in the kitchen.", "What is the weather like in London today?",
-              "I would like to book a flight to Paris on Friday.", "Tell me a joke about cats."]
+HANDS_FREE = ["Please turn off the lights in the kitchen.", "I would like to book a flight to Paris on Friday."]
 
 
 @pytest.mark.skipif(not speech.available(), reason="needs espeak-ng (scripts/install.sh --system)")
 def test_hands_free_conversation_without_turn_end(server):
-    """The served default: four spoken turns, real-time microphone audio with silence between,
+    """The served default: two spoken turns, real-time microphone audio with silence between,
     no turn.end. The VAD opens each turn, Smart Turn ends it, each is answered in full; the
     client hears speech.started / speech.stopped for each. Then the user speaks over a long reply,
     which stops. The operator sees it: voice-to-voice and barge-in on /metrics as v1's, and the
