@@ -217,3 +217,39 @@ def test_a_tapped_aiortc_receiver_hears_a_real_peer_frame_by_frame():
     # lookahead spreads a frame into the next packet); aiortc's own receiver held 4 more, always
     lags = sorted(made - i for i, made in zip(range(5, 25), loud))
     assert lags[len(lags) // 2] <= 2, loud
+
+
+def test_a_call_hears_its_first_audio_track_and_buffers_nothing_of_another():
+    """An offer with two microphones: the server's peer hears the first as MicAudio; the second's
+    packets are dropped where aiortc would decode them into a queue no one reads (unbounded)."""
+    from pipeline.adapters.webrtc.peer import MicAudio, Peer
+
+    class Tone(ClockedAudioTrack):
+        def __init__(self, hz):
+            super().__init__(RATE, RATE // 50)
+            self.hz = hz
+
+        def next_frame(self):
+            return (8000 * np.sin(np.arange(320) * 2 * np.pi * self.hz / RATE)).astype(np.int16)
+
+    async def go():
+        client = RTCPeerConnection()
+        client.addTrack(Tone(300))
+        client.addTrack(Tone(500))
+        client.createDataChannel("oai-events")
+        await client.setLocalDescription(await client.createOffer())
+        peer = Peer()
+        answer = await peer.answer(client.localDescription.sdp)
+        await client.setRemoteDescription(RTCSessionDescription(answer, "answer"))
+        heard = 0
+        while heard < 25:
+            item = await asyncio.wait_for(peer.inbox.get(), 30)
+            heard += isinstance(item, MicAudio)
+        tracks = [t.receiver.track for t in peer.pc.getTransceivers() if t.kind == "audio"]
+        queued = [track._queue.qsize() for track in tracks]
+        await client.close()
+        await peer.close()
+        return queued
+
+    queued = asyncio.run(go())
+    assert len(queued) == 2 and queued == [0, 0]  # neither track's queue got a frame: both are tapped

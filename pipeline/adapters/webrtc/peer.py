@@ -304,9 +304,10 @@ class Peer:
     def _on_track(self, track) -> None:
         """The caller's audio: its receiver's packets are decoded as they arrive (``receive.tap``),
         not after aiortc's 80 ms jitter buffer and decoder thread."""
-        if track.kind != "audio" or self.mic is not None:
-            return
         receiver = next(t.receiver for t in self.pc.getTransceivers() if t.receiver.track is track)
+        if track.kind != "audio" or self.mic is not None:
+            receive.ignore(receiver)  # not heard: not buffered or decoded either (aiortc's queue is unbounded)
+            return
         self.mic = receive.tap(receiver, USER_RATE, lambda pcm: self._put(MicAudio(pcm)))
 
     def _on_datachannel(self, channel) -> None:

@@ -183,13 +183,25 @@ class _Tap:
         pass
 
 
+def _check(receiver) -> None:
+    if not hasattr(receiver, RECEIVER_BUFFER):
+        raise RuntimeError(f"aiortc's RTCRtpReceiver has no {RECEIVER_BUFFER} (its layout changed): "
+                           "the low-latency receive path needs aiortc 1.16's receiver")
+
+
+def ignore(receiver) -> None:
+    """A receiver whose media is not heard (a second audio track, a video track): its packets
+    are dropped where aiortc would buffer and decode them, so nothing piles up in a track no one
+    reads."""
+    _check(receiver)
+    setattr(receiver, RECEIVER_BUFFER, _Tap(lambda packet: None))
+
+
 def tap(receiver, rate: int, deliver: Callable[[np.ndarray], None]) -> AudioReceive:
     """Takes over an aiortc ``RTCRtpReceiver``'s audio (before its packets flow, e.g. in the
     ``track`` event): ``deliver`` gets each 20 ms frame at ``rate`` as it arrives, on the event
     loop. Its track's ``recv`` never returns a frame then."""
-    if not hasattr(receiver, RECEIVER_BUFFER):
-        raise RuntimeError(f"aiortc's RTCRtpReceiver has no {RECEIVER_BUFFER} (its layout changed): "
-                           "the low-latency receive path needs aiortc 1.16's receiver")
+    _check(receiver)
     path = AudioReceive(rate, deliver)
     loop = asyncio.get_running_loop()
     timer: list[asyncio.TimerHandle | None] = [None]
