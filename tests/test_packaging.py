@@ -41,7 +41,7 @@ def test_the_gapless_command_lists_serve_talk_and_check_and_check_reports_the_ma
 
 WITHOUT_EXTRAS = """
 import sys
-for name in ("twilio", "telnyx", "aiortc", "av", "aioice"):
+for name in ("twilio", "telnyx", "aiortc", "aioice"):  # PyAV (av) is a core dependency: wire audio's resampler
     sys.modules[name] = None  # as if not installed: importing it raises ImportError
 import deployments.app, deployments.gateway
 from deployments import webrtc_routes
