@@ -2,6 +2,7 @@
 
     .venv/bin/python -m load.latency --rounds 6          # against serve run serve_config.yaml
     .venv/bin/python -m load.latency --transports v1,webrtc --rounds 10
+    .venv/bin/python -m load.latency --transports v1_plain,v1_ahead   # preemptive generation off / on
 
 Each round says one sentence hands-free over each transport (protocol v1, the Realtime protocol
 over a WebSocket, a WebRTC call, a simulated Twilio phone call), in a random order, each on a
@@ -21,7 +22,8 @@ server run on one machine here), and the stages between. So each turn splits int
 
     in       the server's end of speech - the client's (the receive path, and where the VAD put the end)
     turn     the end of speech -> the turn's end (VAD silence and Smart Turn)
-    token    -> the LLM's first token     clause -> its first clause handed to the TTS
+    token    -> the LLM's first token     clause -> its first clause
+    ctx      -> the first clause sent to the TTS (the user's audio encoded into its context)
     tts      -> the TTS's first chunk     sent   -> first audio sent
     out      first audio at the client - first audio sent (the send path, the client's decoding)
 
@@ -56,7 +58,7 @@ TRANSPORTS = ("v1", "realtime", "webrtc", "phone")
 SHORT = 24  # reply tokens (every load tool's reply length on CPU)
 LEAD_S = 0.3  # silence before the speech
 TAIL_S = 2.5  # and after it (the turn ends within it: the silence fallback is 1.5 s)
-STAGES = ("in", "turn", "token", "clause", "tts", "sent", "out")
+STAGES = ("in", "turn", "token", "clause", "ctx", "tts", "sent", "out")
 
 
 def wall(monotonic: float) -> float:
@@ -64,8 +66,8 @@ def wall(monotonic: float) -> float:
     return time.time() - (time.monotonic() - monotonic)
 
 
-async def v1_turn(base: str, clip: np.ndarray, speech_end: int, token: str | None) -> dict:
-    async with Conversation(base.replace("http", "ws") + "/v1/conversation", token=token) as conv:
+async def v1_turn(base: str, clip: np.ndarray, speech_end: int, token: str | None, query: str = "") -> dict:
+    async with Conversation(base.replace("http", "ws") + "/v1/conversation" + query, token=token) as conv:
         await conv.update(max_output_tokens=SHORT)
         turn = await conv.say_hands_free(clip, speech_end=speech_end)
         return {"session_id": conv.ready["session_id"], "ended": wall(turn.ended_at),
@@ -113,7 +115,10 @@ def spoken(pcm: np.ndarray, noise_floor_db: float | None, seed: int) -> tuple[np
     return np.clip(clip, -32768, 32767).astype(np.int16), int(LEAD_S * USER_RATE) + len(pcm)
 
 
-TURNS = {"v1": v1_turn, "realtime": realtime_turn, "webrtc": webrtc_turn, "phone": phone_turn}
+TURNS = {"v1": v1_turn, "realtime": realtime_turn, "webrtc": webrtc_turn, "phone": phone_turn,
+         # v1 with preemptive generation chosen by the session, whatever the server's default
+         "v1_ahead": lambda *a: v1_turn(*a, query="?preemptive_generation=true"),
+         "v1_plain": lambda *a: v1_turn(*a, query="?preemptive_generation=false")}
 
 
 def fetch_record(base: str, session_id: str, token: str | None, timeout_s: float = 10.0) -> dict | None:
@@ -147,6 +152,7 @@ def split(got: dict, found: dict | None) -> dict:
     row.update({"in": 1000 * (speech_end - got["ended"]), "turn": reply["turn_end_ms"],
                 "token": reply["turn_end_ms"] + t["llm_first_token_ms"] if "llm_first_token_ms" in t else None,
                 "clause": reply["turn_end_ms"] + t["first_clause_ms"] if "first_clause_ms" in t else None,
+                "ctx": reply["turn_end_ms"] + t["tts_request_ms"] if "tts_request_ms" in t else None,
                 "tts": reply["turn_end_ms"] + t["tts_first_chunk_ms"] if "tts_first_chunk_ms" in t else None,
                 "sent": reply["voice_to_voice_ms"], "out": 1000 * (got["heard"] - sent),
                 "ended_by": found["turn"].get("ended_by")})
@@ -174,11 +180,13 @@ async def main_async(args) -> dict:
                 fetch_record, args.base, got["session_id"], args.token)
             row[name] = split(got, found)
         rows.append(row)
-    out = {"rounds": len(rows), "noise_floor_db": args.noise_floor_db, "transports": {}, "paired_minus_v1_ms": {}, "rows": rows}
+    ref = "v1" if "v1" in args.transports else args.transports[0]  # each other transport is paired with it
+    out = {"rounds": len(rows), "noise_floor_db": args.noise_floor_db, "transports": {}, "reference": ref,
+           "paired_minus_v1_ms": {}, "rows": rows}
     for name in args.transports:
         out["transports"][name] = {k: _stat([row[name].get(k) for row in rows]) for k in ("v2v", *STAGES)}
-        if name != "v1" and "v1" in args.transports:
-            out["paired_minus_v1_ms"][name] = _stat([row[name]["v2v"] - row["v1"]["v2v"] for row in rows])
+        if name != ref:
+            out["paired_minus_v1_ms"][name] = _stat([row[name]["v2v"] - row[ref]["v2v"] for row in rows])
     return out
 
 
@@ -193,7 +201,7 @@ def table(res: dict) -> str:
         p90 = "-" if st["v2v"] is None else f"{st['v2v']['p90']:.0f}"
         lines.append(f"| {name} | {cell(st['v2v'])} | {p90} | " + " | ".join(cell(st[k]) for k in STAGES) + " |")
     for name, d in res["paired_minus_v1_ms"].items():
-        lines.append(f"{name} - v1 (paired, same sentence, same round): {cell(d)} ms")
+        lines.append(f"{name} - {res['reference']} (paired, same sentence, same round): {cell(d)} ms")
     return "\n".join(lines)
 
 

@@ -52,9 +52,12 @@ class TurnTaking:
     eot_threshold: float = 0.5  # Smart Turn probability at or above which a pause ends the turn
     eot_max_silence_ms: float = 1500  # a pause this long ends the turn whatever Smart Turn said
     vad_events: bool = True  # send speech.started / speech.stopped to the client
-    # Hands-free: at speech.stopped the LLM starts on the transcript so far while Smart Turn decides;
-    # the reply uses it if the turn ends with that same prompt (pipeline/conversation/speculation.py).
-    preemptive_generation: bool = False
+    # Hands-free: once the user has been silent preemptive_silence_ms (at most vad_min_silence_ms),
+    # the reply starts on the transcript so far (the LLM, then its first clause through the TTS),
+    # held back while the pause grows and Smart Turn decides; the turn's reply takes it if the turn
+    # ends there with that same prompt (pipeline/conversation/speculation.py).
+    preemptive_generation: bool = True
+    preemptive_silence_ms: float = 100
     # The bot's reply, as sent, is cancelled out of the microphone audio the VAD judges (echo.py).
     echo_cancellation: bool = True
 
@@ -62,6 +65,8 @@ class TurnTaking:
         if self.turn_detection not in TURN_DETECTION:
             raise ValueError(f"SessionConfig.turn_detection must be one of {TURN_DETECTION}, got {self.turn_detection!r}")
         self.vad_settings  # validates the VAD's threshold and durations
+        if not self.preemptive_silence_ms >= 0:
+            raise ValueError(f"SessionConfig.preemptive_silence_ms must be >= 0, got {self.preemptive_silence_ms!r}")
         if not self.vad_preroll_ms >= 0:
             raise ValueError(f"SessionConfig.vad_preroll_ms must be >= 0, got {self.vad_preroll_ms!r}")
         if not 0 <= self.eot_threshold <= 1:

@@ -512,6 +512,7 @@ class Overheard:
         self.inner, self.extra = inner, extra
         self.partials: dict[str, str] = {}
         self.llm: list[dict] = []
+        self.tts: list[dict] = []
         self.recorder: Recorder | None = None
 
     def __getattr__(self, name):
@@ -547,6 +548,22 @@ class Overheard:
 
         return stream()
 
+    def tts_stream(self, text, context, *voice):
+        rec = {"text": text, "context": list(context), "chunks": 0, "ended": False, "closed": False,
+               "by": asyncio.current_task().get_name()}  # "first-clause": made ahead (presynthesis.py)
+        self.tts.append(rec)
+
+        async def stream():
+            try:
+                async for chunk in self.inner.tts_stream(text, context, *voice):
+                    rec["chunks"] += 1
+                    yield chunk
+                rec["ended"] = True
+            finally:
+                rec["closed"] = True
+
+        return stream()
+
 
 def _one_turn(backends, audio: np.ndarray, **cfg):
     """One hands-free turn of ``audio`` to a session with preemptive generation on, until its reply
@@ -564,21 +581,34 @@ def _one_turn(backends, audio: np.ndarray, **cfg):
     return asyncio.run(go())
 
 
-def test_preemptive_generation_starts_the_llm_on_the_final_transcript_at_the_pause(engines, sentence):
-    """At the pause the recogniser ends a copy of the turn's stream (the transcript as it would end
-    now) and the LLM starts on it while Smart Turn decides. Smart Turn calls it complete: the turn
-    ends with that transcript (asked once), and the reply is that one LLM stream, started before
-    transcript.final went out, all it wrote and only once."""
+def test_preemptive_generation_starts_the_reply_in_the_lull_and_holds_it(engines, sentence):
+    """In the lull after the sentence (preemptive_silence_ms of silence, before the VAD's
+    speech.stopped) the recogniser ends a copy of the turn's stream (the transcript as it would
+    end now), the LLM starts on it, and its first clause goes to the TTS, with the user's turn in
+    the context, while the pause grows and Smart Turn decides. Smart Turn calls it complete: the
+    turn ends with that transcript, and the reply is that LLM stream (all it wrote, once) and that
+    first clause's audio (the LLM started before transcript.final went out), none of it sent
+    before. (A lull mid-sentence, where espeak pauses, may start and cancel one before it.)"""
     backends = Overheard(engines)
 
     rec, s = _one_turn(backends, speech.padded(sentence, 0.5, 1.0))
-    final = rec.of("transcript.final")[0]["text"]
-    assert final.strip() and s.core.speculator.outcomes == {"hit": 1} and len(backends.llm) == 1
-    stream = backends.llm[0]
+    types = [m["type"] for m in rec.msgs]
+    final, final_at = rec.of("transcript.final")[0]["text"], types.index("transcript.final")
+    assert final.strip() and s.core.speculator.outcomes.get("hit") == 1 and "miss" not in s.core.speculator.outcomes
+    stream = backends.llm[-1]
     assert stream["messages"][-1] == {"role": "user", "content": final.strip()} and stream["ended"]
-    assert stream["started_before"] <= [m["type"] for m in rec.msgs].index("transcript.final")
+    assert stream["started_before"] <= final_at and not any(t in ("audio", "response.text") for t in types[:final_at])
+    assert all(llm["closed"] and not llm["ended"] for llm in backends.llm[:-1])  # lulls mid-sentence: cancelled
     reply = "".join(m["text"] for m in rec.of("response.text"))
     assert reply and reply == "".join(d for d in stream["deltas"] if isinstance(d, str))  # all of it, once
+    spoken = [t for t in backends.tts if t["ended"]]
+    assert spoken[0]["by"] == "first-clause" and reply.strip().startswith(spoken[0]["text"])  # made ahead
+    assert all(t["by"] != "first-clause" for t in spoken[1:])
+    assert sum(t["chunks"] for t in spoken) == len(rec.of("audio"))  # each clause made once, all of it sent
+    assert all(t["closed"] for t in backends.tts)
+    user = spoken[0]["context"][-1]  # the user's turn, encoded once: as the context keeps it
+    kept = next(seg for seg in s.core.shared.context.segments if seg.speaker == user.speaker)
+    assert user.text == final.strip() == kept.text and np.array_equal(user.codes, kept.codes)
 
 
 def test_preemptive_generation_with_another_final_transcript_is_closed(engines):
@@ -591,9 +621,10 @@ def test_preemptive_generation_with_another_final_transcript_is_closed(engines):
     rec, s = _one_turn(backends, speech.padded(speech.espeak(HALF), 0.5, 1.2), eot_max_silence_ms=800)
     assert s.core.turns.eot_probabilities[0] < 0.5  # incomplete at the pause
     final = rec.of("transcript.final")[0]["text"]
-    assert final.endswith(" indeed") and s.core.speculator.outcomes == {"miss": 1} and len(backends.llm) == 2
-    speculated, answered = backends.llm
-    assert speculated["closed"] and not speculated["ended"]
+    assert final.endswith(" indeed") and s.core.speculator.outcomes.get("miss") == 1 and "hit" not in \
+        s.core.speculator.outcomes
+    *speculated, answered = backends.llm
+    assert all(llm["closed"] and not llm["ended"] for llm in speculated)
     assert answered["messages"][-1] == {"role": "user", "content": final.strip()} and answered["ended"]
 
 
@@ -618,7 +649,7 @@ class Says:
     """The tiny engines, hearing what the test says was said: a turn's partial transcript, once
     0.5 s of its audio is in, and its final transcript are ``text`` (the tiny recogniser's random
     weights cannot recognise "mm-hm"); and every TTS chunk made is recorded, to compare with what
-    was sent."""
+    was sent (but a first clause made ahead of a turn's end: the backchannel's, never sent)."""
 
     def __init__(self, inner, text: str):
         self.inner, self.text = inner, text
@@ -643,9 +674,15 @@ class Says:
         _, words = await self.inner.stt_finish(sid)
         return self.text, words
 
+    async def stt_peek(self, sid):
+        peeked = await self.inner.stt_peek(sid)
+        return None if peeked is None else (self.text, peeked[1])
+
     async def tts_stream(self, text, context, *voice):
+        ahead = asyncio.current_task().get_name() == "first-clause"  # a reply started ahead of a turn's end
         async for pcm, codes in self.inner.tts_stream(text, context, *voice):
-            self.made.append(np.array(pcm))
+            if not ahead:
+                self.made.append(np.array(pcm))
             yield pcm, codes
 
 

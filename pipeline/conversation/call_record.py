@@ -23,7 +23,7 @@ MAX_TURNS = 200
 MAX_REPLIES = 8
 MAX_TEXT = 2000
 MAX_ERRORS = 50
-MARKS = ("llm_first_token_ms", "first_clause_ms", "tts_first_chunk_ms", "first_audio_ms")
+MARKS = ("llm_first_token_ms", "first_clause_ms", "tts_request_ms", "tts_first_chunk_ms", "first_audio_ms")
 
 
 def _ms(seconds: float | None) -> int | None:

@@ -44,7 +44,7 @@ from pipeline.conversation.shared import Shared
 from pipeline.conversation.snapshot import Snapshot
 from pipeline.conversation.speculation import CANCELLED, Speculator
 from pipeline.conversation.tools import ToolFlow
-from pipeline.conversation.turns import Pause, SpeakingOn, SpeechOver, TurnOver, TurnTaker, Words
+from pipeline.conversation.turns import Lull, SpeakingOn, SpeechOver, TurnOver, TurnTaker, Words
 from pipeline.conversation.user_turns import UserTurns
 from pipeline.conversation.voice_context import VoiceContext
 from pipeline.engines import Backends
@@ -72,7 +72,7 @@ class Conversation:
         self.turns = TurnTaker(backends, self.id, cfg_now, clock, s.emit, s.error, smart_turn, s.observer.smart_turn,
                                s.observer.stt_final)
         self.tools = ToolFlow(s)
-        self.speculator = Speculator(backends.llm_stream, lambda: s.cfg.engine_timeout_s, s.observer.speculation)
+        self.speculator = Speculator(s, lambda: self.turns.recogniser)
         self.replies = Replies(s, self.tools, self.speculator, lambda: self.turns.ears, self.wake)
         self.user_turns = UserTurns(s, self.turns, self.replies, self.speculator)
         self.items = Items(s, self.turns, self.replies)
@@ -181,31 +181,22 @@ class Conversation:
                 await replies.barge_in(d.text, self.turns.speech_started_at)
             await self.shared.emit(TranscriptDelta(self.shared.turn + 1, turn.item_id, d.delta, d.text))
         elif isinstance(d, SpeakingOn):
-            await self.speculator.drop(CANCELLED)  # the user speaks on
-        elif isinstance(d, Pause) and cfg.preemptive_generation and self.shared.reply_on_turn_end \
+            await self.speculator.speaking_on()
+        elif isinstance(d, Lull) and cfg.preemptive_generation and self.shared.reply_on_turn_end \
                 and not self.tools.waiting:
-            # the turn's transcript as it would end now, and the LLM on it, while Smart Turn decides
-            self._peek = asyncio.create_task(self._peek_and_speculate())
+            # the turn's transcript as it would end now, and its reply started ahead, while the pause grows
+            self._peek = asyncio.create_task(self.speculator.foresee(turn.item_id, turn.joined_audio()))
         elif isinstance(d, TurnOver):
-            finished = await self._peeked()
+            await self._peeked()
             if d.by == "max_turn":
                 await self.turns.too_long_error()
-            await self.user_turns.end_spoken(d.by, finished=finished if d.by == "smart_turn" else None)
+            finished = self.speculator.transcript(turn.item_id) if d.by == "smart_turn" else None
+            await self.user_turns.end_spoken(d.by, finished=finished)
 
-    async def _peek_and_speculate(self) -> tuple[str, list[dict]] | None:
-        finished = await self.turns.recogniser.peek()
-        text = finished[0].strip() if finished is not None else ""
-        if not text:
-            await self.speculator.drop(CANCELLED)
-        else:
-            agent = self.shared.agent
-            await self.speculator.start(agent.messages(self.shared.history.messages()
-                                                       + [{"role": "user", "content": text}]), agent.sampling())
-        return finished
-
-    async def _peeked(self) -> tuple[str, list[dict]] | None:
+    async def _peeked(self) -> None:
         peek, self._peek = self._peek, None
-        return await peek if peek is not None else None
+        if peek is not None:
+            await peek
 
     # ------------------------------------------------------------------ the client's playback, its keys
     async def _cut_playback(self, reply_id: str, item_id: str, heard_ms: float | None) -> None:

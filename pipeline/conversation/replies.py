@@ -86,10 +86,10 @@ class Replies:
             # a reply to tool results may call again, but is not made to: "required" would loop forever
             settings = dataclasses.replace(settings, tool_choice="auto")
         messages = None if answers == "" else settings.messages(s.history.messages())
-        llm = await self.speculator.take(messages, settings.sampling()) \
+        ahead = await self.speculator.take(messages, settings.sampling()) \
             if script is None and messages is not None else None
         reply = self.reply = Reply(self, s.turn, messages, settings, ended_at, s.context.take_encoding(), overrides,
-                                   script, record, llm=llm, metadata=metadata, speech_end=speech_end)
+                                   script, record, ahead=ahead, metadata=metadata, speech_end=speech_end)
         await s.emit(ReplyStarted(reply, last.id if last is not None else None))
         reply.start()
         return reply

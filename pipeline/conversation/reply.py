@@ -54,7 +54,7 @@ class ReplyHost(Protocol):
 class Reply:
     def __init__(self, host: ReplyHost, turn: int, messages: list[dict] | None, settings: AgentSettings,
                  ended_at: float, encoding: asyncio.Task | None = None, overrides: dict | None = None,
-                 script: str | None = None, record: bool = True, llm=None, metadata=None,
+                 script: str | None = None, record: bool = True, ahead=None, metadata=None,
                  speech_end: float | None = None):
         self.host = host
         self.metadata = metadata  # the client's own (a Realtime response.create's), carried to its events
@@ -65,7 +65,7 @@ class Reply:
         self.settings = settings  # the session's settings with this reply's overrides, at its start
         self.overrides = overrides or {}  # the settings this reply chose for itself
         self.script = script  # a fixed text to speak instead of the LLM's (a tool call's filler or timeout)
-        self.llm = llm  # an LLM stream already started on ``messages`` (pipeline/conversation/speculation.py), if any
+        self.ahead = ahead  # its start, made ahead of the turn's end (pipeline/conversation/speculation.py), if any
         self.record = record  # what it says joins the history (a filler does not)
         self.calls: list[ToolCall] = []  # the tool calls the LLM made (the first one ends the speaking)
         self.ended_at = ended_at  # when the user's turn ended (time to first audio is counted from it)
@@ -132,6 +132,13 @@ class Reply:
 
     # ------------------------------------------------------------------ text
     async def _run(self) -> None:
+        try:
+            await self._reply()
+        finally:
+            if self.ahead is not None and self.ahead.first is not None:
+                await self.ahead.first.cancel()  # a first clause made ahead that was not taken
+
+    async def _reply(self) -> None:
         if self.messages is not None:
             try:
                 await self._generate()
@@ -170,8 +177,8 @@ class Reply:
             splitter = ClauseSplitter(max_words=cfg.clause_max_words)
             if self.script is not None:
                 llm = _scripted(self.script)
-            elif self.llm is not None:
-                llm = self.llm
+            elif self.ahead is not None:
+                llm = self.ahead.stream()
             else:
                 llm = host.backends.llm_stream(self.messages, sampling=self.settings.sampling())
             # aclosing: a cancelled reply closes the engine stream before the cancellation goes on (its

@@ -24,6 +24,7 @@ async def synthesize(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, start
     made_codes: list[np.ndarray] = []
     made_voice: Voice | None = None
     waits = reply.air.stages
+    opening = True  # the reply's first clause is next (it may have been made ahead)
     try:
         while True:
             waits.wait("synthesis", LLM)  # the LLM's next clause
@@ -33,14 +34,22 @@ async def synthesize(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, start
             if reply.encoding is not None:
                 await reply.encoding  # the user's turn joins the context before the first clause
                 reply.encoding = None
+            reply.mark("tts_request_ms", started)  # the first clause goes to the TTS (its context ready)
             voice = host.reply_voice(reply)
             if voice != made_voice:
                 made_text, made_codes, made_voice = [], [], voice
             context = host.tts_context()
             if made_codes:
                 context.append(Segment(BOT_SPEAKER, " ".join(made_text), np.concatenate(made_codes)))
-            tts = host.backends.tts_stream(clause, context) if voice is None else \
-                host.backends.tts_stream(clause, context, voice)
+            ahead = reply.ahead.first if opening and reply.ahead is not None else None
+            opening = False
+            if ahead is not None and ahead.fits(clause, voice):
+                tts = ahead.chunks()  # made on this same context (pipeline/conversation/speculation.py)
+            else:
+                if ahead is not None:
+                    await ahead.cancel()
+                tts = host.backends.tts_stream(clause, context) if voice is None else \
+                    host.backends.tts_stream(clause, context, voice)
             first = True
             async with contextlib.aclosing(bounded_stream(tts, host.cfg.engine_timeout_s)) as made:
                 async for pcm, codes in made:  # (closed at once when cancelled, as the LLM stream above)

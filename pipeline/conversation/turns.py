@@ -43,13 +43,19 @@ class Words:
 
 
 @dataclass(frozen=True)
+class Lull:
+    """Hands-free, the user has been silent ``preemptive_silence_ms``: the turn may be ending (a
+    reply may start ahead of its end)."""
+
+
+@dataclass(frozen=True)
 class Pause:
     """Hands-free speech stopped: Smart Turn judges the turn next."""
 
 
 @dataclass(frozen=True)
 class SpeakingOn:
-    """Speech again after a pause: the turn goes on."""
+    """Speech, or again after a lull or a pause: the turn goes on."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class Transcript:
     audio: np.ndarray | None
 
 
-Decision = SpeechOver | Words | Pause | SpeakingOn | TurnOver
+Decision = SpeechOver | Words | Lull | Pause | SpeakingOn | TurnOver
 
 
 class TurnTaker:
@@ -195,14 +201,20 @@ class TurnTaker:
         """Hands-free end of turn: from speech.stopped, Smart Turn judges the turn's audio, and again
         each ``EOT_RECHECK_MS`` of silence more (its verdict on a finished sentence often rises as
         the silence after it grows); complete ends the turn then, and eot_max_silence_ms of silence
-        ends it whatever the verdicts. Speech again keeps it open. With ``eot_threshold`` 0 every
+        ends it whatever the verdicts. Speech again keeps it open. A lull (``preemptive_silence_ms``
+        of silence, at most the VAD's) comes first, once per pause. With ``eot_threshold`` 0 every
         pause ends the turn (no model call)."""
         heard = self.user_turn
-        if self.ears.speaking:
+        silence_ms = self.ears.vad.silence_ms
+        lull_ms = min(cfg.preemptive_silence_ms, cfg.vad_min_silence_ms)
+        if self.ears.speaking and silence_ms < lull_ms:  # speech, or a gap within it
             heard.eot_deadline = heard.eot_check_at_ms = None
+            heard.lull = False
             yield SpeakingOn()
             return
-        silence_ms = self.ears.vad.silence_ms
+        if not heard.lull and silence_ms >= lull_ms:
+            heard.lull = True
+            yield Lull()
         if any(ev.kind == "speech.stopped" for ev in events):
             yield Pause()
             heard.eot_deadline = self.clock() + max(0.0, (cfg.eot_max_silence_ms - silence_ms) / 1000)

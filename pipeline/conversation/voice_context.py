@@ -40,29 +40,48 @@ class VoiceContext:
         encoding, self.encoding = self.encoding, None
         return encoding
 
-    def encode_later(self, text: str, pcm: np.ndarray) -> None:
+    def encode_later(self, text: str, pcm: np.ndarray, codes: asyncio.Task | None = None) -> None:
         """Encode a user turn's audio after the encodes before it: one at a time per conversation,
-        and cancelling the last (as :meth:`cancel` does) cancels those it waits on."""
+        and cancelling the last (as :meth:`cancel` does) cancels those it waits on. ``codes``: its
+        encode already under way (:meth:`encode_ahead`), taken instead of a second one."""
         before = self.encoding
 
         async def in_turn() -> None:
             if before is not None:  # gather: this task's cancellation cancels the one it waits on
                 await asyncio.gather(before, return_exceptions=True)
-            await self._encode_user_turn(text, pcm)
+            made = await codes if codes is not None else await self._codes_of(pcm)
+            if len(made):
+                self.add(Segment(USER_SPEAKER, text, made))
 
         self.encoding = asyncio.create_task(in_turn())
 
-    async def _encode_user_turn(self, text: str, pcm: np.ndarray) -> None:
+    def encode_ahead(self, pcm: np.ndarray) -> asyncio.Task:
+        """Encode a user turn's audio before the turn is over (a reply started ahead needs it),
+        after the encodes in flight, without joining the context: :meth:`encode_later` takes the
+        task if the turn ends as it was; cancelling it leaves the encodes before it alone."""
+        before = self.encoding
+
+        async def ahead() -> np.ndarray:
+            if before is not None:
+                await asyncio.wait([before])
+            return await self._codes_of(pcm)
+
+        return asyncio.create_task(ahead())
+
+    def with_user(self, text: str, codes: np.ndarray) -> list[Segment]:
+        """The context as it will be once the user turn ``text`` (its ``codes``) has joined it."""
+        segments = list(self.segments) + ([Segment(USER_SPEAKER, text, codes)] if len(codes) else [])
+        return segments[-self.cfg_now().context_turns:]
+
+    async def _codes_of(self, pcm: np.ndarray) -> np.ndarray:
+        """A user turn's audio as Mimi codes; none where it could not be encoded."""
         try:
-            codes = await bounded(self.backends.tts_encode(pcm), self.cfg_now().engine_timeout_s)
+            return await bounded(self.backends.tts_encode(pcm), self.cfg_now().engine_timeout_s)
         except EngineUnavailable as exc:
             log.warning("session %s: encoding user audio: %s", self.name, exc)
-            return
         except Exception:  # noqa: BLE001 - context is an improvement, never a failure
             log.exception("session %s: encoding user audio failed", self.name)
-            return
-        if len(codes):
-            self.add(Segment(USER_SPEAKER, text, codes))
+        return np.zeros((0, 0), np.int64)
 
     def cancel(self) -> None:
         if self.encoding is not None:

@@ -41,6 +41,7 @@ class UserTurn:
     refused_at: float | None = None  # last refusal of its slot; None: not refused
     eot_deadline: float | None = None  # a pause Smart Turn called incomplete ends the turn then
     eot_check_at_ms: float | None = None  # in a pause: the silence at which Smart Turn judges it again
+    lull: bool = False  # the silence since its last speech has reached preemptive_silence_ms
 
     def lose_audio(self, now: float) -> bool:
         """Its recogniser stream is gone (refused, or lost with its replica): the audio so far is
