@@ -19,13 +19,34 @@ from pipeline.engines import Voice, bounded_stream
 _END = object()
 
 
+class Kept:
+    """What a stream started ahead has made so far, for the one that takes it: items, then the
+    end or the error that ended it (bounded by what that stream makes)."""
+
+    def __init__(self):
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        self._queue.put_nowait(item)
+
+    def end(self) -> None:
+        self._queue.put_nowait(_END)
+
+    async def items(self):
+        """Those made so far, then the rest as they come; the error, raised, where one ended it."""
+        while (item := await self._queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
 class FirstClause:
     """``clause`` in ``voice``: ``start()`` gives its TTS stream (it may wait for its context)."""
 
     def __init__(self, clause: str, voice: Voice | None, start: Callable[[], Awaitable[AsyncIterator]],
                  timeout_s: float):
         self.clause, self.voice = clause, voice
-        self._made: asyncio.Queue = asyncio.Queue()  # (pcm, codes) so far: one clause's frames
+        self._made = Kept()  # (pcm, codes) so far: one clause's frames
         self._task = asyncio.create_task(self._run(start, timeout_s), name="first-clause")
 
     async def _run(self, start: Callable[[], Awaitable[AsyncIterator]], timeout_s: float) -> None:
@@ -33,12 +54,12 @@ class FirstClause:
             tts = await start()
             async with contextlib.aclosing(bounded_stream(tts, timeout_s)) as made:
                 async for chunk in made:
-                    self._made.put_nowait(chunk)
+                    self._made.put(chunk)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - raised in the reply that takes it, as its own TTS would
-            self._made.put_nowait(exc)
-        self._made.put_nowait(_END)
+            self._made.put(exc)
+        self._made.end()
 
     def fits(self, clause: str, voice: Voice | None) -> bool:
         """Whether this is the reply's first clause as the reply would speak it."""
@@ -48,10 +69,8 @@ class FirstClause:
         """The clause's (pcm, codes) made so far, then the rest as they come (a TTS stream, for the
         reply that takes it). Closing it early cancels the TTS."""
         try:
-            while (item := await self._made.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            async for chunk in self._made.items():
+                yield chunk
         finally:
             await self.cancel()
 

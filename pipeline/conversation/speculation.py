@@ -23,11 +23,9 @@ import numpy as np
 
 from pipeline.conversation.clauses import ClauseSplitter
 from pipeline.conversation.ears.hearing import Recogniser
-from pipeline.conversation.presynthesis import FirstClause
+from pipeline.conversation.presynthesis import FirstClause, Kept
 from pipeline.conversation.shared import Shared
 from pipeline.engines import ToolCall, bounded_stream
-
-_END = object()
 
 # Outcomes, for the metrics: the reply used it; the turn ended with another prompt; the user spoke
 # on (or the turn was dropped) before it ended.
@@ -44,7 +42,7 @@ class Speculation:
                  codes: asyncio.Task | None = None):
         self.messages, self.sampling, self.codes = messages, sampling, codes
         self.first: FirstClause | None = None  # the first clause, spoken ahead
-        self._kept: asyncio.Queue = asyncio.Queue()  # deltas so far (bounded by the LLM's reply length)
+        self._kept = Kept()  # deltas so far (bounded by the LLM's reply length)
         self.deltas = 0  # how many the LLM made (the work a miss wasted)
         splitter = ClauseSplitter(max_words=max_words) if speak is not None else None
         self._task = asyncio.create_task(self._run(llm, timeout_s, speak, splitter), name="speculation")
@@ -54,7 +52,7 @@ class Speculation:
             async with contextlib.aclosing(bounded_stream(llm, timeout_s)) as deltas:
                 async for delta in deltas:
                     self.deltas += 1
-                    self._kept.put_nowait(delta)
+                    self._kept.put(delta)
                     if splitter is not None and isinstance(delta, ToolCall):
                         splitter = None  # the reply says what came before a call itself
                     elif splitter is not None and isinstance(delta, str) and delta:
@@ -65,8 +63,8 @@ class Speculation:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the reply that takes it, as its own LLM would
-            self._kept.put_nowait(exc)
-        self._kept.put_nowait(_END)
+            self._kept.put(exc)
+        self._kept.end()
 
     def matches(self, messages: list[dict], sampling) -> bool:
         return messages == self.messages and sampling == self.sampling
@@ -75,10 +73,8 @@ class Speculation:
         """What the LLM wrote so far, then the rest as it comes (an LLM stream, for the reply that
         takes it). Closing it early cancels the LLM."""
         try:
-            while (item := await self._kept.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            async for delta in self._kept.items():
+                yield delta
         finally:
             await self.cancel()
 
