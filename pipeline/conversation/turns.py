@@ -2,7 +2,7 @@
 
 A :class:`TurnTaker` owns a conversation's ears (echo cancellation and VAD), its recogniser slot
 (``pipeline/conversation/ears/hearing.py``), Smart Turn and the audio allowance. It hears each microphone frame and
-yields what it decided, in order: speech long enough to barge in, words heard, a pause, a turn
+yields what it decided, in order: speech long enough to barge in, words heard, a lull, a turn
 over. It knows nothing of replies: the conversation acts on each decision before the next is made
 (a turn the frame ended is concluded before the rest of the frame opens the next one).
 """
@@ -49,11 +49,6 @@ class Lull:
 
 
 @dataclass(frozen=True)
-class Pause:
-    """Hands-free speech stopped: Smart Turn judges the turn next."""
-
-
-@dataclass(frozen=True)
 class SpeakingOn:
     """Speech, or again after a lull or a pause: the turn goes on."""
 
@@ -72,7 +67,7 @@ class Transcript:
     audio: np.ndarray | None
 
 
-Decision = SpeechOver | Words | Lull | Pause | SpeakingOn | TurnOver
+Decision = SpeechOver | Words | Lull | SpeakingOn | TurnOver
 
 
 class TurnTaker:
@@ -215,8 +210,7 @@ class TurnTaker:
         if not heard.lull and silence_ms >= lull_ms:
             heard.lull = True
             yield Lull()
-        if any(ev.kind == "speech.stopped" for ev in events):
-            yield Pause()
+        if any(ev.kind == "speech.stopped" for ev in events):  # Smart Turn judges the turn from here
             heard.eot_deadline = self.clock() + max(0.0, (cfg.eot_max_silence_ms - silence_ms) / 1000)
             heard.eot_check_at_ms = silence_ms
         if heard.eot_check_at_ms is not None and silence_ms >= heard.eot_check_at_ms:
