@@ -105,8 +105,9 @@ class EchoCanceller:
     @property
     def known(self) -> bool:
         """Whether it is known if the microphone hears the reply (an echo heard, or none after
-        NO_ECHO_AFTER samples of loud reply audio)."""
-        return self.echo_heard or self._loud_checked >= NO_ECHO_AFTER
+        NO_ECHO_AFTER samples of loud reply audio, unless the last check saw an echo-like peak:
+        under steady noise an echo correlates ~0.5 and takes a whole window to be sure of)."""
+        return self.echo_heard or (self._loud_checked >= NO_ECHO_AFTER and self._echo_delay is None)
 
     @property
     def use_cancelled(self) -> bool:
