@@ -9,8 +9,8 @@ their sounding parts. Each goes through the session's own ears in 20 ms frames, 
 sends them: ``Listener`` (WebRTC's echo canceller, then Silero VAD) with the served settings, and
 Smart Turn, by the rules of ``TurnTaker`` (pipeline/conversation/turns.py); with ``--phone``,
 through 8 kHz μ-law first and the server's phone decoder back to 16 kHz; with ``--suppressor
-webrtc``, through WebRTC's noise suppressor before the ears (a candidate, not yet the server's).
-No server, no engines.
+KIND``, the session's ``noise_reduction`` (suppression.py: webrtc, rnnoise, deepfilter) between
+the echo canceller and the VAD, as the server runs it. No server, no engines.
 
 Per noise and SNR:
 
@@ -23,8 +23,8 @@ Per noise and SNR:
 - **end of turn**: each sentence with the noise going on, no reply: when the turn ends after the
   true end of the speech (negative: at a pause mid-sentence), how many waited for the silence
   fallback, and how many had not ended 2.5 s after it (the VAD hears the noise as speech);
-- **CPU**: the ears' (canceller and VAD) CPU seconds per second of audio, one stream; and the
-  microphone path's before them (mixing, the phone line, the suppressor).
+- **CPU**: the ears' (canceller, suppressor, VAD) CPU seconds per second of audio, one stream;
+  and the microphone path's before them (mixing, the phone line).
 
 The row ``none`` is the same without noise. Prints a table and one JSON line.
 """
@@ -44,7 +44,8 @@ from pipeline.adapters.audio_formats import PCMU, Decoder
 from pipeline.audio import float_to_int16, int16_to_float, resample
 from pipeline.audio_constants import REPLY_RATE, USER_RATE
 from pipeline.conversation.ears.listening import Listener
-from pipeline.session_config import SessionConfig
+from pipeline.conversation.ears.suppression import suppressor
+from pipeline.session_config import NOISE_REDUCTION, SessionConfig
 
 FRAME = USER_RATE // 50
 REPLY = ("Let me tell you about the museum. It opens at nine in the morning and closes at six. On Fridays "
@@ -59,26 +60,20 @@ def _phone(pcm: np.ndarray) -> np.ndarray:
     return np.concatenate([decoder.decode(f) for f in ulaw_frames(pcm)] + [decoder.flush()])[: len(pcm)]
 
 
-def _webrtc_ns(pcm: np.ndarray) -> np.ndarray:
-    """WebRTC's noise suppressor (and its high-pass filter), in 10 ms blocks, from a fresh state."""
-    from livekit import rtc
-
-    apm, out = rtc.AudioProcessingModule(noise_suppression=True, high_pass_filter=True), pcm.copy()
-    for i in range(0, len(pcm) - 159, 160):
-        frame = rtc.AudioFrame(out[i:i + 160].tobytes(), USER_RATE, 1, 160)
-        apm.process_stream(frame)
-        out[i:i + 160] = np.frombuffer(bytes(frame.data), np.int16)
-    return out
-
-
-SUPPRESSORS = {"none": lambda pcm: pcm, "webrtc": _webrtc_ns}
-
-
 def _mic(parts: list[np.ndarray], args) -> np.ndarray:
-    """The microphone's audio as the ears get it: mixed, through the phone line with ``--phone``,
-    then ``--suppressor``."""
+    """The microphone's audio as the ears get it: mixed, then through the phone line with ``--phone``."""
     x = float_to_int16(np.clip(sum(parts), -1, 1))
-    return SUPPRESSORS[args.suppressor](_phone(x) if args.phone else x)
+    return _phone(x) if args.phone else x
+
+
+def _suppressed(pcm: np.ndarray, cfg: SessionConfig) -> np.ndarray:
+    """What the VAD hears of ``pcm`` with no reply playing: the session's suppressor over it in
+    20 ms frames (its delay dropped), padded to its length."""
+    if cfg.noise_reduction is None:
+        return pcm
+    s = suppressor(cfg.noise_reduction)
+    out = np.concatenate([s.process(pcm[i:i + FRAME]) for i in range(0, len(pcm), FRAME)])
+    return np.pad(out, (0, len(pcm) - len(out)))[: len(pcm)]
 
 
 class Reply:
@@ -100,7 +95,7 @@ def barge_ins(mic: np.ndarray, reply_24k: np.ndarray, cfg: SessionConfig) -> tup
     """Where a barge-in would have cut the reply: the samples where the VAD's speech reached
     barge_in_min_speech_ms (once per speech run), and per frame whether it had; and the CPU
     seconds the ears took."""
-    ears, per_frame = Listener(cfg.vad_settings, cfg.echo_cancellation), REPLY_RATE // 50
+    ears, per_frame = Listener(cfg.vad_settings, cfg.echo_cancellation, noise_reduction=cfg.noise_reduction), REPLY_RATE // 50
     at, cutting, armed, cpu = [], [], True, time.process_time()
     for k, i in enumerate(range(0, len(mic) - FRAME + 1, FRAME)):
         ears.reference(reply_24k[k * per_frame:(k + 1) * per_frame])  # the reply, as it is sent
@@ -125,7 +120,7 @@ def one(kind: str, snr: float | None, args, cfg: SessionConfig, clips: dict, rep
     echo, reply_24k = reply.over(n)
     started = time.process_time()
     mic = _mic([echo, noise_for(n, args.seed)], args)
-    mic_cpu = time.process_time() - started  # mixing, the phone line, the suppressor
+    mic_cpu = time.process_time() - started  # mixing, the phone line
     false_at, _, cpu = barge_ins(mic, reply_24k, cfg)
     missed, early, latency, ends, cut, fallback, never = 0, 0, [], [], 0, 0, 0
     for j, (text, clip) in enumerate(clips.items()):
@@ -141,7 +136,8 @@ def one(kind: str, snr: float | None, args, cfg: SessionConfig, clips: dict, rep
             latency.append(1000 * (hits[0] - lead) / USER_RATE)
         elif not cutting[said].any():
             missed += 1
-        ms, by, _ = replay(_mic([voice, under], args), lead + len(clip), cfg, recheck_ms=100)
+        mic = _mic([voice, under], args)
+        ms, by, _ = replay(mic, lead + len(clip), cfg, recheck_ms=100, heard=_suppressed(mic, cfg))
         if by == "never":
             never += 1
             continue
@@ -160,7 +156,7 @@ def one(kind: str, snr: float | None, args, cfg: SessionConfig, clips: dict, rep
 
 def table(rows: list[dict], args) -> str:
     f = lambda v, fmt="{:.0f}": "-" if v is None else fmt.format(v)  # noqa: E731
-    path = ("phone (8 kHz μ-law)" if args.phone else "16 kHz") + f", suppressor {args.suppressor}"
+    path = ("phone (8 kHz μ-law)" if args.phone else "16 kHz") + f", noise_reduction {args.suppressor}"
     lines = [f"the server's ears through noise, {path}; {args.minutes:g} min of each noise alone during a reply; "
              f"{len(SENTENCES)} sentences over it",
              "| noise | SNR dB | false barge-ins /min | missed barge-ins | cut by the noise first | barge-in p50 ms |"
@@ -181,14 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--snr", default=",".join(f"{s:g}" for s in SNRS), type=lambda v: [float(s) for s in v.split(",")])
     ap.add_argument("--minutes", type=float, default=2.0, help="of each noise alone during a reply")
     ap.add_argument("--phone", action="store_true", help="through 8 kHz μ-law and the phone decoder")
-    ap.add_argument("--suppressor", choices=sorted(SUPPRESSORS), default="none",
-                    help="a noise suppressor before the ears (webrtc: WebRTC's NS, livekit's audio processing module)")
+    ap.add_argument("--suppressor", choices=("none",) + NOISE_REDUCTION, default="none",
+                    help="the session's noise_reduction: a suppressor between the echo canceller and the VAD")
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args(argv)
     for kind in args.noises:
         if kind not in noises.KINDS:
             ap.error(f"unknown noise {kind!r}; one of {', '.join(noises.KINDS)}")
-    cfg, reply = SessionConfig(), Reply()
+    cfg = SessionConfig(noise_reduction=None if args.suppressor == "none" else args.suppressor)
+    reply = Reply()
     clips = {s: speech.espeak(s) for s in SENTENCES}
     level = statistics.median(noises.speech_rms(c) for c in clips.values())
     rows = [one("none", None, args, cfg, clips, reply, level)]

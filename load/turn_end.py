@@ -35,15 +35,18 @@ SENTENCES = ["Please turn off the lights in the kitchen.", "What is the weather 
              "If it rains tomorrow, we will stay at home and watch a film."]
 
 
-def replay(pcm: np.ndarray, speech_end: int, cfg: SessionConfig, recheck_ms: float) -> tuple[float, str, list[float]]:
-    """(ms from the speech's end to the turn's end, what ended it, Smart Turn's verdicts)."""
+def replay(pcm: np.ndarray, speech_end: int, cfg: SessionConfig, recheck_ms: float,
+           heard: np.ndarray | None = None) -> tuple[float, str, list[float]]:
+    """(ms from the speech's end to the turn's end, what ended it, Smart Turn's verdicts).
+    ``heard``: what the VAD hears instead of ``pcm`` (suppressed audio); Smart Turn hears ``pcm``."""
+    heard = pcm if heard is None else heard
     vad, model = VoiceActivity(cfg.vad_settings), shared_model()
     preroll = int(cfg.vad_preroll_ms * USER_RATE / 1000)
     start = check_at = None
     verdicts: list[float] = []
     for i in range(0, len(pcm), FRAME):
         now = i + FRAME
-        for ev in vad.push(pcm[i:now]):
+        for ev in vad.push(heard[i:now]):
             if ev.kind == "speech.started" and start is None:
                 start = max(0, ev.sample - preroll)
             elif ev.kind == "speech.stopped":

@@ -18,11 +18,14 @@ class VADSettings:
     threshold: float = 0.5  # a window at or above this probability is speech
     min_speech_ms: float = 64  # speech.started once speech has lasted this long
     min_silence_ms: float = 200  # speech.stopped once silence (p < threshold - 0.15) has lasted this long
+    # Under background voices (babble, a television), a window this much quieter than the caller
+    # is silence (pipeline/conversation/ears/foreground.py); 0: off.
+    foreground_db: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:
             raise ValueError(f"vad_threshold must be in (0, 1), got {self.threshold!r}")
-        for name in ("min_speech_ms", "min_silence_ms"):
+        for name in ("min_speech_ms", "min_silence_ms", "foreground_db"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"vad_{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -33,6 +36,7 @@ class VADSettings:
 
 
 TURN_DETECTION = ("vad", "manual")
+NOISE_REDUCTION = ("webrtc", "rnnoise", "deepfilter")  # pipeline/conversation/ears/suppression.py
 BARGE_IN = ("vad", "words", "vad+words", "off")
 
 
@@ -48,6 +52,7 @@ class TurnTaking:
     vad_threshold: float = 0.5  # Silero speech probability of a 32 ms window that counts as speech
     vad_min_speech_ms: float = 64  # speech.started after this much speech
     vad_min_silence_ms: float = 200  # speech.stopped after this much silence; Smart Turn runs then
+    vad_foreground_db: float = 10.0  # under background voices, this much quieter than the caller is silence (0: off)
     vad_preroll_ms: float = 300  # a VAD-opened turn starts this long before the detected onset
     eot_threshold: float = 0.5  # Smart Turn probability at or above which a pause ends the turn
     eot_max_silence_ms: float = 1500  # a pause this long ends the turn whatever Smart Turn said
@@ -60,8 +65,14 @@ class TurnTaking:
     preemptive_silence_ms: float = 100
     # The bot's reply, as sent, is cancelled out of the microphone audio the VAD judges (echo.py).
     echo_cancellation: bool = True
+    # A noise suppressor between the echo canceller and the VAD, per session (suppression.py;
+    # docs/turn-taking.md, "Noise"): one of NOISE_REDUCTION, or None. The recogniser hears raw audio.
+    noise_reduction: str | None = None
 
     def _check_turn_taking(self) -> None:
+        if self.noise_reduction is not None and self.noise_reduction not in NOISE_REDUCTION:
+            raise ValueError(f"SessionConfig.noise_reduction must be one of {NOISE_REDUCTION} or null, "
+                             f"got {self.noise_reduction!r}")
         if self.turn_detection not in TURN_DETECTION:
             raise ValueError(f"SessionConfig.turn_detection must be one of {TURN_DETECTION}, got {self.turn_detection!r}")
         self.vad_settings  # validates the VAD's threshold and durations
@@ -77,7 +88,7 @@ class TurnTaking:
 
     @property
     def vad_settings(self) -> VADSettings:
-        return VADSettings(self.vad_threshold, self.vad_min_speech_ms, self.vad_min_silence_ms)
+        return VADSettings(self.vad_threshold, self.vad_min_speech_ms, self.vad_min_silence_ms, self.vad_foreground_db)
 
 
 @dataclass

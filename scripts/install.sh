@@ -50,7 +50,7 @@ if [ -f requirements.lock ] && .venv/bin/python -c "import sys; sys.exit(sys.ver
   case ",${EXTRAS:-dev}," in *,gpu,*) $pip install -q -e ".[gpu]" ;; esac
 else
   $pip install -q -e ".[${EXTRAS:-dev}]"
-  $pip install -q --no-deps "moshi==0.2.13" "pipecat-ai==1.14.0"
+  $pip install -q --no-deps "moshi==0.2.13" "pipecat-ai==1.14.0" "pyrnnoise==0.4.5"
 fi
 # Every `serve run` and `ray start` of this venv starts Ray's HTTP proxy with our limits: a .pth
 # file sets RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH unless set (deployments/door_env.py).

@@ -113,7 +113,8 @@ def test_an_offer_that_is_not_sdp_is_refused(sdp, code):
 def test_speech_over_a_reply_sent_whole_but_still_playing_clears_the_track_and_truncates_it():
     """The server holds the playback buffer on WebRTC: a reply of 2.4 s is sent whole at once
     (pace_lead_s 5 s) and completes, then plays at real time; the caller speaks over it (espeak,
-    the real VAD). The rest is dropped from the track, and the item keeps what was heard."""
+    the real VAD, heard through DeepFilterNet3: the call's session asks for noise_reduction
+    far_field). The rest is dropped from the track, and the item keeps what was heard."""
     from load import speech
 
     clauses = ["One two three four five six seven eight nine ten.",
@@ -123,7 +124,7 @@ def test_speech_over_a_reply_sent_whole_but_still_playing_clears_the_track_and_t
     words = speech.padded(speech.espeak("Wait a moment please."), 0.0, 0.5)
 
     async def go():
-        call = DirectCall(engines, session={"audio": {"input": {"turn_detection": {
+        call = DirectCall(engines, session={"audio": {"input": {"noise_reduction": {"type": "far_field"}, "turn_detection": {
             "type": "server_vad", "create_response": False, "interrupt_response": True}}}})
         call.cfg = SessionConfig(pace_lead_s=5.0)
         async with call:
@@ -138,6 +139,7 @@ def test_speech_over_a_reply_sent_whole_but_still_playing_clears_the_track_and_t
             return call, truncated_at
 
     call, truncated_at = asyncio.run(go())
+    assert call.of("session.created")[0]["session"]["audio"]["input"]["noise_reduction"] == {"type": "far_field"}
     truncated = call.of("conversation.item.truncated")[0]
     assert 0 < truncated["audio_end_ms"] < 2400 and call.of("output_audio_buffer.cleared")
     assert call.loud_after(truncated_at + 0.2) == []  # the rest of the reply never played

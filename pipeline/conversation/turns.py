@@ -100,6 +100,7 @@ class TurnTaker:
             self.ears = Listener(cfg.vad_settings, cfg.echo_cancellation)
         if self.ears is not None:
             self.ears.vad.settings = cfg.vad_settings
+            self.ears.suppress(cfg.noise_reduction)  # made off the event loop
         if self.smart_turn is None and cfg.turn_detection == "vad" and cfg.eot_threshold > 0:
             from pipeline.conversation.ears.smart_turn import shared_model
 

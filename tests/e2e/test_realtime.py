@@ -83,11 +83,14 @@ def test_session_update_and_a_typed_turn(server):
 
 def test_spoken_turn_under_server_vad(server):
     """Speech at 24 kHz streamed in real time, no commit: the server's VAD hears it start and stop,
-    commits the turn, transcribes it and answers it."""
+    commits the turn, transcribes it and answers it. The session asks for noise_reduction
+    near_field (RNNoise in front of the ears), through the official SDK: answered, and the speech
+    is heard through it."""
     pcm = speech.espeak(COMPLETE)
 
     async def go():
-        async with RealtimeConversation(REALTIME_URL, session={"audio": {"input": {"turn_detection": SERVER_VAD}}}) as c:
+        async with RealtimeConversation(REALTIME_URL, session={"audio": {"input": {
+                "turn_detection": SERVER_VAD, "noise_reduction": {"type": "near_field"}}}}) as c:
             turn = c._new_turn()  # the reply the server will start by itself
             await c.speak(pcm, until=lambda: turn.done_at)
             return c, turn
@@ -98,6 +101,7 @@ def test_spoken_turn_under_server_vad(server):
                                                              "input_audio_buffer.speech_stopped",
                                                              "input_audio_buffer.committed"))
     completed = c.seen("conversation.item.input_audio_transcription.completed")
+    assert c.seen("session.updated")[-1]["session"]["audio"]["input"]["noise_reduction"] == {"type": "near_field"}
     assert started < stopped < committed < kinds.index("conversation.item.input_audio_transcription.completed")
     item_id = c.seen("input_audio_buffer.committed")[0]["item_id"]
     assert c.seen("input_audio_buffer.speech_started")[0]["item_id"] == item_id

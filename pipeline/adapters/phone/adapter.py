@@ -217,7 +217,8 @@ class PhoneSession(WireSession):
         changes = agent.agent_changes()
         changes.update({k: parameters[k] for k in ("instructions", "voice") if k in parameters})
         try:
-            await self.core.do(C.Configure(agent=changes, greet=agent.speaks_first))
+            await self.core.do(C.Configure(turn_taking=agent.turn_taking_changes(), agent=changes,
+                                           greet=agent.speaks_first))
         except BadSetting as exc:
             raise StreamError(f"the call's {exc.param}: {exc.message}") from None
 

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pipeline.session_config import NOISE_REDUCTION
 from pipeline.adapters.phone.call_control import CallControl, TelnyxCalls, TwilioCalls, tool_schemas
 
 DTMF_MODES = ("turn", "tool")  # keys as a user turn, or as the result of the collect_digits tool
@@ -31,6 +32,8 @@ class PhoneAgent:
     transfer_to: tuple[str, ...] = ()  # numbers (E.164) or SIP URIs; transfer_call dials only these
     dtmf: str = "turn"
     speaks_first: bool = False  # the agent answers the call with a reply of its own (a greeting)
+    # The call's noise suppressor (SessionConfig.noise_reduction; "none": none); unset: the server's.
+    noise_reduction: str | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.tools) - set(CALL_TOOLS)
@@ -42,8 +45,17 @@ class PhoneAgent:
             raise ValueError("a phone agent with transfer_call needs transfer_to: the numbers it may dial")
         if len(self.transfer_to) > MAX_TRANSFER_TARGETS or not all(isinstance(t, str) and t for t in self.transfer_to):
             raise ValueError(f"transfer_to is a list of at most {MAX_TRANSFER_TARGETS} numbers or SIP URIs")
+        if self.noise_reduction not in (None, "none") + NOISE_REDUCTION:
+            raise ValueError(f"phone agent noise_reduction must be one of {('none',) + NOISE_REDUCTION}, "
+                             f"got {self.noise_reduction!r}")
         if self.dtmf == "tool" and "collect_digits" not in self.tools:
             raise ValueError("dtmf: tool gives keys to the collect_digits tool: list it in the agent's tools")
+
+    def turn_taking_changes(self) -> dict[str, Any]:
+        """What it sets of the session's turn taking (SessionConfig fields)."""
+        if self.noise_reduction is None:
+            return {}
+        return {"noise_reduction": None if self.noise_reduction == "none" else self.noise_reduction}
 
     def agent_changes(self) -> dict[str, Any]:
         """What it sets of the session's agent (AgentSettings fields), its tools' schemas included."""

@@ -13,9 +13,12 @@ refused whole:
   ``create_response`` is true.
 - ``audio.input.format`` / ``audio.output.format``: ``audio/pcm`` (24 kHz), ``audio/pcmu``,
   ``audio/pcma`` (8 kHz).
+- ``audio.input.noise_reduction``: ``{"type": "near_field"}`` -> RNNoise, ``far_field`` ->
+  DeepFilterNet3 (``NOISE_TYPES``), ``null`` -> none: the session's noise suppressor, in front of
+  its echo canceller and VAD (docs/realtime.md says what each is for and costs).
 - ``instructions``, ``audio.output.voice``, ``output_modalities``, ``max_output_tokens``,
   ``tools``, ``tool_choice`` and our extension ``temperature``: the agent's settings.
-The rest of OpenAI's session (model, tracing, truncation, noise_reduction, prompt, ...) is kept and
+The rest of OpenAI's session (model, tracing, truncation, prompt, ...) is kept and
 echoed, and changes nothing here. Keys that are not part of a session are dropped (:func:`known`),
 and the session object a client builds up is at most ``MAX_SESSION_CHARS`` of JSON.
 """
@@ -32,6 +35,9 @@ from pipeline.session_config import SessionConfig
 
 # semantic_vad's eagerness -> (Smart Turn threshold, longest pause it may leave a turn open, ms)
 EAGERNESS = {"low": (0.7, 3000.0), "medium": (0.5, 1500.0), "auto": (0.5, 1500.0), "high": (0.3, 800.0)}
+# audio.input.noise_reduction's type -> SessionConfig.noise_reduction: a close microphone (a headset)
+# gets RNNoise; a far one (a laptop, a room) DeepFilterNet3, which suppresses more and costs more.
+NOISE_TYPES = {"near_field": "rnnoise", "far_field": "deepfilter"}
 # Beta (OpenAI-Beta: realtime=v1) flat session fields -> their GA place
 BETA_FORMATS = {"pcm16": {"type": "audio/pcm", "rate": 24000}, "g711_ulaw": {"type": "audio/pcmu"},
                 "g711_alaw": {"type": "audio/pcma"}}
@@ -106,7 +112,8 @@ def from_beta(update: dict) -> dict:
     """A beta ``session.update``'s flat fields in their GA places (GA fields pass through)."""
     out = {k: v for k, v in update.items() if k not in ("modalities", "voice", "input_audio_format",
                                                           "output_audio_format", "input_audio_transcription",
-                                                          "turn_detection", "max_response_output_tokens")}
+                                                          "turn_detection", "max_response_output_tokens",
+                                                          "input_audio_noise_reduction")}
     audio: dict = {}
     if "modalities" in update:
         mods = update["modalities"]
@@ -121,6 +128,8 @@ def from_beta(update: dict) -> dict:
         audio.setdefault("input", {})["transcription"] = update["input_audio_transcription"]
     if "turn_detection" in update:
         audio.setdefault("input", {})["turn_detection"] = update["turn_detection"]
+    if "input_audio_noise_reduction" in update:
+        audio.setdefault("input", {})["noise_reduction"] = update["input_audio_noise_reduction"]
     if "max_response_output_tokens" in update:
         out["max_output_tokens"] = update["max_response_output_tokens"]
     if audio:
@@ -142,7 +151,8 @@ def initial(session_id: str, model: str, cfg: SessionConfig) -> dict:
         "type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
         "output_modalities": ["audio"], "instructions": "",
         "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
-                            "transcription": {"model": "gapless-stt"}, "noise_reduction": None,
+                            "transcription": {"model": "gapless-stt"},
+                            "noise_reduction": _noise_object(cfg.noise_reduction),
                             "turn_detection": detection},
                   "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "default", "speed": 1.0}},
         "tools": [], "tool_choice": "auto", "max_output_tokens": "inf", "temperature": None,
@@ -181,6 +191,26 @@ def _flag(detection: dict, name: str) -> bool:
         param = f"session.audio.input.turn_detection.{name}"
         raise BadSetting(param, f"{param} must be true or false, got {value!r}")
     return value
+
+
+def _noise_object(kind: str | None) -> dict | None:
+    """The server's own noise suppressor in the protocol's words (one it has no type for: near_field)."""
+    if kind is None:
+        return None
+    return {"type": next((t for t, k in NOISE_TYPES.items() if k == kind), "near_field")}
+
+
+def _noise_reduction(value: Any, server: SessionConfig) -> str | None:
+    """``audio.input.noise_reduction`` -> SessionConfig.noise_reduction."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str) or kind not in NOISE_TYPES:
+        param = "session.audio.input.noise_reduction"
+        raise BadSetting(param, f"{param} must be null or have type near_field or far_field, got {value!r}")
+    if _noise_object(server.noise_reduction) == {"type": kind}:
+        return server.noise_reduction  # the server's own, as its session says it
+    return NOISE_TYPES[kind]
 
 
 def _turn_taking(detection: Any, server: SessionConfig) -> tuple[dict[str, Any], bool]:
@@ -241,6 +271,7 @@ def apply(session: dict, server: SessionConfig) -> SessionTerms:
     inp = audio.get("input") or {}
     out = audio.get("output") or {}
     turn_taking, reply_on_turn_end = _turn_taking(inp.get("turn_detection"), server)
+    turn_taking["noise_reduction"] = _noise_reduction(inp.get("noise_reduction"), server)
     transcription = inp.get("transcription")
     if transcription is not None and not isinstance(transcription, dict):
         raise BadSetting("session.audio.input.transcription", "session.audio.input.transcription must be an object or null")
@@ -287,6 +318,7 @@ def describe(session: dict, voice_clip: dict | None, beta: bool) -> dict:
         session.update(modalities=["text", "audio"] if session["output_modalities"] == ["audio"] else ["text"],
                        voice=audio["output"].get("voice"), turn_detection=audio["input"].get("turn_detection"),
                        input_audio_transcription=audio["input"].get("transcription"),
+                       input_audio_noise_reduction=audio["input"].get("noise_reduction"),
                        input_audio_format=_beta_format(audio["input"]["format"]),
                        output_audio_format=_beta_format(audio["output"]["format"]))
     return session

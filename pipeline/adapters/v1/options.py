@@ -37,6 +37,8 @@ CLIENT_OPTIONS = {
     "vad_events": _flag,  # speech.started / speech.stopped wanted or not
     "resume_false_interruption": _flag,  # a client that handles response.paused / response.resumed
     "preemptive_generation": _flag,
+    # "webrtc" | "rnnoise" | "deepfilter" | "none", validated by SessionConfig (docs/turn-taking.md, "Noise")
+    "noise_reduction": lambda name, value: None if value.lower() in ("none", "null", "off") else value,
 }
 
 

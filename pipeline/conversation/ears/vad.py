@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.audio_constants import USER_RATE
+from pipeline.conversation.ears.foreground import Foreground
 from pipeline.session_config import VADSettings
 
 WINDOW = 512  # samples per model call at 16 kHz (32 ms)
@@ -69,6 +70,7 @@ class VoiceActivity:
     """One stream's VAD: feed int16 audio in any frame sizes, get events in stream order."""
 
     def __init__(self, settings: VADSettings, model: SileroVAD | None = None):
+        self.foreground: Foreground | None = None
         self.settings = settings
         self.model = model or shared_model()
         self._state = np.zeros(STATE_SHAPE, np.float32)
@@ -79,6 +81,20 @@ class VoiceActivity:
         self._speech_end = 0  # end of the last speech window
         self._in_speech = False  # the last window was speech
         self.last_prob = 0.0
+
+    @property
+    def settings(self) -> VADSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: VADSettings) -> None:
+        self._settings = settings
+        if settings.foreground_db <= 0:
+            self.foreground = None
+        elif self.foreground is None:
+            self.foreground = Foreground(settings.foreground_db)
+        else:
+            self.foreground.margin_db = settings.foreground_db
 
     @property
     def speech_ms(self) -> float:
@@ -101,6 +117,9 @@ class VoiceActivity:
         while len(self._buf) >= CONTEXT + WINDOW:
             window = self._buf[: CONTEXT + WINDOW]
             self.last_prob, self._state = self.model(window, self._state)
+            if self.foreground is not None:
+                self.last_prob = self.foreground.judge(window[CONTEXT:], self.last_prob, self.settings.threshold,
+                                                       self.speaking)
             self._buf = self._buf[WINDOW:]
             start = self.position
             self.position += WINDOW
