@@ -156,7 +156,8 @@ def one(kind: str, snr: float | None, args, cfg: SessionConfig, clips: dict, rep
 
 def table(rows: list[dict], args) -> str:
     f = lambda v, fmt="{:.0f}": "-" if v is None else fmt.format(v)  # noqa: E731
-    path = ("phone (8 kHz μ-law)" if args.phone else "16 kHz") + f", noise_reduction {args.suppressor}"
+    path = ("phone (8 kHz μ-law)" if args.phone else "16 kHz") + \
+        f", noise_reduction {args.suppressor}, vad_foreground_db {args.foreground_db:g}"
     lines = [f"the server's ears through noise, {path}; {args.minutes:g} min of each noise alone during a reply; "
              f"{len(SENTENCES)} sentences over it",
              "| noise | SNR dB | false barge-ins /min | missed barge-ins | cut by the noise first | barge-in p50 ms |"
@@ -179,12 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phone", action="store_true", help="through 8 kHz μ-law and the phone decoder")
     ap.add_argument("--suppressor", choices=("none",) + NOISE_REDUCTION, default="none",
                     help="the session's noise_reduction: a suppressor between the echo canceller and the VAD")
+    ap.add_argument("--foreground-db", type=float, default=SessionConfig().vad_foreground_db,
+                    help="vad_foreground_db (0: the foreground rule off)")
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args(argv)
     for kind in args.noises:
         if kind not in noises.KINDS:
             ap.error(f"unknown noise {kind!r}; one of {', '.join(noises.KINDS)}")
-    cfg = SessionConfig(noise_reduction=None if args.suppressor == "none" else args.suppressor)
+    cfg = SessionConfig(noise_reduction=None if args.suppressor == "none" else args.suppressor,
+                        vad_foreground_db=args.foreground_db)
     reply = Reply()
     clips = {s: speech.espeak(s) for s in SENTENCES}
     level = statistics.median(noises.speech_rms(c) for c in clips.values())
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += [one(kind, snr, args, cfg, clips, reply, level) for kind in args.noises for snr in args.snr]
     print(table(rows, args))
     print(json.dumps({"benchmark": "noisy", "phone": args.phone, "suppressor": args.suppressor,
+                      "foreground_db": args.foreground_db,
                       "minutes": args.minutes, "seed": args.seed,
                       "speech_rms_dbfs": 20 * np.log10(level), "rows": rows}))
     return 0

@@ -229,3 +229,12 @@ def test_in_quiet_the_foreground_rule_changes_nothing_and_under_steady_noise_no_
         pcm, _ = _under(kind, 10.0, text, seed=30 + seed)
         onsets = [[s for k, s in _vad_events(pcm, db) if k == "speech.started"] for db in (10.0, 0.0)]
         assert onsets[0][0] == onsets[1][0]
+
+
+def test_while_a_reply_plays_the_foreground_rule_does_not_act():
+    """A television's voice alone at 10 dB under a playing reply: barge-ins are where they are
+    without the rule, sample for sample. (Acting there, with no caller heard yet, it took the
+    television for the caller and each of its sentences for a new barge-in.)"""
+    mic, reply_24k = _echo_and_noise("tv", 10.0, 20.0, seed=41)
+    with_rule = _barge_ins(mic, reply_24k, SessionConfig(vad_foreground_db=10.0))
+    assert with_rule == _barge_ins(mic, reply_24k, SessionConfig(vad_foreground_db=0.0))

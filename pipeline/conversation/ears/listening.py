@@ -18,11 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from pipeline.audio import AudioRing
-from pipeline.audio_constants import USER_RATE
+from pipeline.audio_constants import REPLY_RATE, USER_RATE
 from pipeline.conversation.ears.suppression import DELAYS, suppressor
 from pipeline.conversation.ears.vad import SileroVAD, VADEvent, VADSettings, VoiceActivity
 
 RECENT_S = 3.0  # raw audio kept: the longest frame (1 s), the VAD's onset delay and the pre-roll fit
+REPLY_TAIL = USER_RATE // 2  # a reply's echo trails it: the foreground rule waits this long after it
 # Suppressors a session asks for are made here, off the event loop (DeepFilterNet3's takes ~0.2 s
 # of CPU to load its model); until one is ready the audio goes on unsuppressed.
 _MAKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="suppressor")
@@ -45,6 +46,7 @@ class Listener:
         else:
             self.echo = None
         self._recent = AudioRing(int(RECENT_S * USER_RATE))
+        self._reply_end = 0  # microphone position where the reply audio sent so far stops playing
 
     @property
     def position(self) -> int:
@@ -64,7 +66,7 @@ class Listener:
         if self._shortfall:
             heard, self._shortfall = np.concatenate([np.zeros(self._shortfall, np.int16), heard]), 0
         heard = self.echo.process(heard) if self.echo else heard
-        return self.vad.push(heard)
+        return self.vad.push(heard, foreground=self.position >= self._reply_end + REPLY_TAIL)
 
     def suppress(self, kind: str | None) -> None:
         """Change the noise suppressor (None: none): the new one is made off the event loop and
@@ -104,10 +106,13 @@ class Listener:
         return self.vad.speaking
 
     def reference(self, pcm_24k: np.ndarray) -> None:
+        """A reply chunk was sent: it plays after what was sent before it, not before now."""
+        self._reply_end = max(self._reply_end, self.position) + len(pcm_24k) * USER_RATE // REPLY_RATE
         if self.echo:
             self.echo.reference(pcm_24k)
 
     def stop_playback(self) -> None:
+        self._reply_end = min(self._reply_end, self.position)
         if self.echo:
             self.echo.stop_playback()
 

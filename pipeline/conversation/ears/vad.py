@@ -111,7 +111,8 @@ class VoiceActivity:
             return 0.0
         return 1000 * (self.position - self._speech_end + TRAIL) / USER_RATE
 
-    def push(self, pcm: np.ndarray) -> list[VADEvent]:
+    def push(self, pcm: np.ndarray, foreground: bool = True) -> list[VADEvent]:
+        """``foreground``: the foreground rule may act (no reply is playing)."""
         self._buf = np.concatenate([self._buf, np.asarray(pcm, np.float32) / 32768.0])
         events: list[VADEvent] = []
         while len(self._buf) >= CONTEXT + WINDOW:
@@ -119,7 +120,7 @@ class VoiceActivity:
             self.last_prob, self._state = self.model(window, self._state)
             if self.foreground is not None:
                 self.last_prob = self.foreground.judge(window[CONTEXT:], self.last_prob, self.settings.threshold,
-                                                       self.speaking)
+                                                       self.speaking, foreground)
             self._buf = self._buf[WINDOW:]
             start = self.position
             self.position += WINDOW
