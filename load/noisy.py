@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suppressor", choices=("none",) + NOISE_REDUCTION, default="none",
                     help="the session's noise_reduction: a suppressor between the echo canceller and the VAD")
     ap.add_argument("--foreground-db", type=float, default=SessionConfig().vad_foreground_db,
-                    help="vad_foreground_db (0: the foreground rule off)")
+                    help="vad_foreground_db (0, the default: the foreground rule off; 10: what docs/turn-taking.md measured)")
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args(argv)
     for kind in args.noises:

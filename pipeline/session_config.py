@@ -20,7 +20,7 @@ class VADSettings:
     min_silence_ms: float = 200  # speech.stopped once silence (p < threshold - 0.15) has lasted this long
     # Under background voices (babble, a television), a window this much quieter than the caller
     # is silence (pipeline/conversation/ears/foreground.py); 0: off.
-    foreground_db: float = 10.0
+    foreground_db: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:
@@ -52,7 +52,10 @@ class TurnTaking:
     vad_threshold: float = 0.5  # Silero speech probability of a 32 ms window that counts as speech
     vad_min_speech_ms: float = 64  # speech.started after this much speech
     vad_min_silence_ms: float = 200  # speech.stopped after this much silence; Smart Turn runs then
-    vad_foreground_db: float = 10.0  # under background voices, this much quieter than the caller is silence (0: off)
+    # Under background voices (babble, a television), a window this much quieter than the caller is
+    # silence, so a turn can end (10 is what docs/turn-taking.md measured; off until what it does to
+    # load.turn_taking's end of speech is understood).
+    vad_foreground_db: float = 0.0
     vad_preroll_ms: float = 300  # a VAD-opened turn starts this long before the detected onset
     eot_threshold: float = 0.5  # Smart Turn probability at or above which a pause ends the turn
     eot_max_silence_ms: float = 1500  # a pause this long ends the turn whatever Smart Turn said
