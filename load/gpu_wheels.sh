@@ -13,7 +13,7 @@
 #    4.9.3 (omegaconf's) has no wheel on the index: its pure-Python wheel is built here.
 # 3. The parts (python -m load.wheelhouse pack): the wheels installed here for Python 3.12 into a
 #    scratch site, packed as one xz tar (level $XZ_PRESET, 6 unless set; the dry run's 0 packs
-#    fast) and split under 58 MiB a part, a manifest of sha256s in each part.
+#    fast) and split under 57 MiB a part, a manifest of sha256s in each part.
 # 4. The spoken test clips (espeak-ng, which the GPU machine lacks): python -m load.speech render.
 set -euo pipefail
 cd "$(dirname "$0")/.."
