@@ -195,6 +195,31 @@ def test_person_at_the_replys_first_chunk_is_heard_at_once(bot_reply, echo, onse
     assert ears.echo.echo_heard is echo
 
 
+@pytest.mark.parametrize("onset", [800, 2400, 4000, 5600])
+def test_a_person_heard_stays_heard_through_a_chance_likeness(bot_reply, onset):
+    """A headset, a person speaking over the reply's first half second in the reply's own voice: one
+    check's chance peak (0.29-0.40, at some delay) does not hand the VAD the cancelled audio, which
+    AEC3 holds back (a barge-in 0.62 s late in CI); only a peak seen again at its delay does. These
+    onsets each flipped it with a single peak."""
+    _, reply_24k = bot_reply
+    person = speech.espeak("Stop, wait a moment please.")
+    mic = np.zeros(3 * RATE)
+    mic[onset:onset + len(person)] += person[:len(mic) - onset]
+    ears = Listener(VADSettings(), echo_cancellation=True)
+    sent, heard_at, cancelled = 0, None, []
+    for i in range(0, len(mic), 320):
+        while sent < len(reply_24k) and sent / 24_000 < i / RATE + 0.2:
+            ears.reference(reply_24k[sent:sent + 1920])
+            sent += 1920
+        ears.hear(mic[i:i + 320].astype(np.int16))
+        if heard_at is None and ears.echo.person_heard:
+            heard_at = i
+        if heard_at is not None and i < onset + RATE // 2 and ears.echo.use_cancelled:
+            cancelled.append(i)
+    assert heard_at is not None and heard_at - onset <= 0.15 * RATE, heard_at
+    assert cancelled == []
+
+
 def test_echo_alone_from_the_replys_first_chunk_is_not_speech(bot_reply):
     reply_16k, reply_24k = bot_reply
     events, ears = _listen_paced(_speakerphone(reply_16k.astype(np.float64)), reply_24k)

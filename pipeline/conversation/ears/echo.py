@@ -23,7 +23,8 @@ VAD judges the cancelled audio) when a peak is unmistakable (``ECHO_CERTAIN``), 
 delay holds; a chance likeness between two voices, seen again by overlapping windows, does not:
 two espeak voices peaked 0.28-0.40 at one delay over 0.5 s). A loud microphone that the reply does not explain is a
 person: the VAD judges the raw audio at once, so speech at the reply's very first chunk barges
-in as fast as later. 0.5 s of loud reply audio with no echo heard means there is none (the raw
+in as fast as later; a person once heard stays heard through one chance peak (only a peak seen
+again at its delay, or an unmistakable one, is an echo under them). 0.5 s of loud reply audio with no echo heard means there is none (the raw
 audio from then on). Until anything is known the cancelled audio is used.
 
 Cost, with the VAD after it: ~22 ms of CPU per second of microphone audio per session while a
@@ -139,12 +140,16 @@ class EchoCanceller:
         self.last_correlation = float(score[peak])
         delay = MAX_DELAY - peak
         echo_like = self.last_correlation >= ECHO_CORRELATION
-        if not (echo_like and self._echo_delay is not None and abs(delay - self._echo_delay) <= SAME_DELAY):
+        again = echo_like and self._echo_delay is not None and abs(delay - self._echo_delay) <= SAME_DELAY
+        if not again:
             self._echo_since = end  # a new run of peaks (or none)
-        if self.last_correlation >= ECHO_CERTAIN or (echo_like and end - self._echo_since >= WINDOW):
+        certain = self.last_correlation >= ECHO_CERTAIN
+        if certain or (echo_like and end - self._echo_since >= WINDOW):
             self.echo_heard = True
         self._echo_delay = delay if echo_like else None
-        self.person_heard = not echo_like
+        # A person once heard stays heard through one chance peak (two voices, 0.29 at some delay):
+        # only a peak seen again at its delay, or a certain one, is the echo under them.
+        self.person_heard = not echo_like or (self.person_heard and not again and not certain)
 
     def process(self, pcm: np.ndarray) -> np.ndarray:
         """Microphone int16 16 kHz in; the echo-cancelled audio of every whole 10 ms block so far out
