@@ -226,6 +226,29 @@ def test_echo_alone_from_the_replys_first_chunk_is_not_speech(bot_reply):
     assert events == [] and ears.echo.echo_heard
 
 
+def test_the_echo_of_a_paused_reply_resumed_is_not_speech(bot_reply):
+    """A speakerphone; the reply is paused 1.5 s in (resume_false_interruption) and resumes 0.8 s
+    later: the client plays what it held first, then the rest. The held audio's echo is cancelled
+    too (its reference laid again from the resume): without that it barged in."""
+    reply_16k, reply_24k = bot_reply
+    paused_at, pause = int(1.5 * RATE), int(0.8 * RATE)
+    played = np.concatenate([reply_16k[:paused_at], np.zeros(pause), reply_16k[paused_at:]])
+    mic = _speakerphone(played.astype(np.float64))
+    ears = Listener(VADSettings(), echo_cancellation=True)
+    events, sent, lead = [], 0, int(0.3 * RATE)
+    for i in range(0, len(mic), 320):
+        if i == paused_at:
+            ears.stop_playback(hold=True)
+        if i == paused_at + pause:
+            ears.resume_playback()
+        playing = i + lead if i < paused_at else paused_at + lead + max(0, i - paused_at - pause) if i >= paused_at + pause else None
+        while playing is not None and sent < len(reply_24k) and sent * 2 // 3 < playing:
+            ears.reference(reply_24k[sent:sent + 1920])
+            sent += 1920
+        events += ears.hear(np.clip(mic[i:i + 320], -32768, 32767).astype(np.int16))
+    assert ears.echo.echo_heard and events == []
+
+
 def test_echo_canceller_passes_audio_untouched_when_nothing_plays(sentence):
     out = EchoCanceller().process(sentence)
     n = len(sentence) // 160 * 160

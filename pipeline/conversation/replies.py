@@ -134,13 +134,15 @@ class Replies:
         elif not self.reply.paused:
             self.reply.pause()
             if (ears := self.ears()) is not None:
-                ears.stop_playback()  # the client stops playing it
+                ears.stop_playback(hold=True)  # the client stops playing it and keeps what it has
             await self.shared.emit(ReplyPaused(self.reply))
 
     async def resume(self) -> None:
         """The speech that paused the reply was no turn: it goes on where it paused."""
         if self.paused:
             self.reply.resume()
+            if (ears := self.ears()) is not None:
+                ears.resume_playback()  # what the client held plays first
             await self.shared.emit(ReplyResumed(self.reply))
 
     def _remember(self, reply: Reply) -> None:

@@ -65,6 +65,7 @@ class EchoCanceller:
         self._cap = int(REFERENCE_S * USER_RATE)
         self._ref = np.zeros(self._cap, np.int16)  # ring: reference for mic positions [p, p + cap)
         self._ref_end = 0  # mic position just after the last reference sample laid
+        self._held: np.ndarray | None = None  # a paused reply's reference the client holds, unplayed
         self._mic_pos = 0  # microphone samples received
         self._pending = np.zeros(0, np.int16)  # microphone samples short of a whole block
         self._out_pos = 0  # mic position of the next sample processed
@@ -81,7 +82,10 @@ class EchoCanceller:
     def reference(self, pcm_24k: np.ndarray) -> None:
         """A reply chunk (int16 24 kHz) was sent: it plays after the audio sent before it, and not
         before now on the microphone clock."""
-        pcm = float_to_int16(resample(int16_to_float(pcm_24k), REPLY_RATE, USER_RATE))
+        self._lay(float_to_int16(resample(int16_to_float(pcm_24k), REPLY_RATE, USER_RATE)))
+
+    def _lay(self, pcm: np.ndarray) -> None:
+        """Reference audio at 16 kHz, after what was laid before it and not before now."""
         start = max(self._ref_end, self._mic_pos)
         pcm = pcm[: max(0, self._out_pos + self._cap - start)]  # never more than the ring holds
         idx = (start + np.arange(len(pcm))) % self._cap
@@ -90,11 +94,19 @@ class EchoCanceller:
         # Keep echo cancellation on for a while after the reply's end: the echo trails it.
         self.active_until = self._ref_end + USER_RATE
 
-    def stop_playback(self) -> None:
-        """The reply was interrupted: the client drops what it had not played."""
+    def stop_playback(self, hold: bool = False) -> None:
+        """The reply was interrupted: the client drops what it had not played; or, ``hold``, paused:
+        the client keeps it, and it plays when the reply resumes (:meth:`resume_playback`)."""
+        self._held = self._reference(self._mic_pos, max(0, self._ref_end - self._mic_pos)) if hold else None
         if self._ref_end > self._mic_pos:
             self._ref_end = self._mic_pos
             self.active_until = self._mic_pos + USER_RATE
+
+    def resume_playback(self) -> None:
+        """The paused reply plays again: what the client held plays first, from now."""
+        held, self._held = self._held, None
+        if held is not None and len(held):
+            self._lay(held)
 
     def _reference(self, pos: int, n: int) -> np.ndarray:
         out = np.zeros(n, np.int16)

@@ -47,6 +47,7 @@ class Listener:
             self.echo = None
         self._recent = AudioRing(int(RECENT_S * USER_RATE))
         self._reply_end = 0  # microphone position where the reply audio sent so far stops playing
+        self._held = 0  # samples of a paused reply that the client holds, unplayed
 
     @property
     def position(self) -> int:
@@ -111,10 +112,18 @@ class Listener:
         if self.echo:
             self.echo.reference(pcm_24k)
 
-    def stop_playback(self) -> None:
+    def stop_playback(self, hold: bool = False) -> None:
+        """The reply stops playing at the client: cut (what it had not played is dropped) or,
+        ``hold``, paused (it keeps that, and plays it first when :meth:`resume_playback` says)."""
+        self._held = max(0, self._reply_end - self.position) if hold else 0
         self._reply_end = min(self._reply_end, self.position)
         if self.echo:
-            self.echo.stop_playback()
+            self.echo.stop_playback(hold)
+
+    def resume_playback(self) -> None:
+        self._reply_end, self._held = max(self._reply_end, self.position) + self._held, 0
+        if self.echo:
+            self.echo.resume_playback()
 
 
 def warm_listening() -> None:
