@@ -45,6 +45,9 @@ class Carrier:
         self.play = play  # echo each mark when the audio before it has played out at real time
         self.played_out_at = 0.0  # (time.monotonic) when the audio queued so far ends
         self.echoed_at: list[float] = []
+        self.played: list[list] = []  # (play=True) [starts, ends, μ-law bytes] of each media frame, cut by clear
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self.frames_at_clear = 0  # media frames sent before the last clear
         self.close_code: int | None = None
         self.close_reason = ""
         self.closed = asyncio.Event()
@@ -59,16 +62,28 @@ class Carrier:
         self.sent.append(msg)
         now = time.monotonic()
         if msg["event"] == "media" and self.play:
-            self.played_out_at = max(self.played_out_at, now) + len(base64.b64decode(msg["media"]["payload"])) / 8000
+            data = base64.b64decode(msg["media"]["payload"])
+            start = max(self.played_out_at, now)
+            self.played_out_at = start + len(data) / 8000
+            self.played.append([start, self.played_out_at, data])
         elif msg["event"] == "mark" and self.play:
-            asyncio.get_running_loop().call_later(max(0.0, self.played_out_at - now), self._echo_now,
-                                                  msg["mark"]["name"])
+            name = msg["mark"]["name"]
+            self._timers[name] = asyncio.get_running_loop().call_later(max(0.0, self.played_out_at - now),
+                                                                       self._echo_now, name)
+        elif msg["event"] == "clear" and self.play:  # as Twilio: the queue dropped, its marks echoed at once
+            self.played = [[a, min(b, now), d[:max(0, int((min(b, now) - a) * 8000))]] for a, b, d in self.played
+                           if a < now]
+            self.played_out_at, self.frames_at_clear = now, len(self.played)
+            for name, timer in list(self._timers.items()):
+                timer.cancel()
+                self._echo_now(name)
         elif msg["event"] == "mark" and self.echo_marks:
             self.inbox.put_nowait(json.dumps(self._echo(msg["mark"]["name"])))
         async with self._arrived:
             self._arrived.notify_all()
 
     def _echo_now(self, name: str) -> None:
+        self._timers.pop(name, None)
         self.echoed_at.append(time.monotonic())
         self.inbox.put_nowait(json.dumps(self._echo(name)))
 
@@ -248,6 +263,56 @@ def test_a_call_answers_keys_and_a_cut_reply_keeps_what_the_caller_heard(engines
     assert reply.said.startswith(expected) and reply.said != expected  # sent more than was heard
     assert history[2]["content"] == "(The caller pressed 2 on the keypad.)"
     assert carrier.close_code == 1000
+
+
+class Made:
+    """The tiny engines, keeping every chunk of audio the TTS made."""
+
+    def __init__(self, inner):
+        self.inner, self.made = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def tts_stream(self, text, context, *voice):
+        async for pcm, codes in self.inner.tts_stream(text, context, *voice):
+            self.made.append(np.array(pcm))
+            yield pcm, codes
+
+
+def test_a_paused_reply_resumes_on_the_phone_with_nothing_skipped_or_said_twice(engines):  # noqa: F811
+    """resume_false_interruption on a call: speech over the reply pauses it. The carrier cannot
+    pause: it is cleared, and when the speech proves no turn, what the caller had not heard is sent
+    again first. The phone, playing in real time, plays the whole reply once: as long as it (within
+    60 ms: where the phone had got to is reckoned from its marks' echoes), and the same audio. With
+    nothing sent again, 0.3-0.6 s (what the carrier held: pace_lead_s 0.5) went missing."""
+    backends = Made(_fresh(engines))
+
+    async def go():
+        carrier = Carrier(play=True)
+        carrier.connected()
+        carrier.start()
+        served, registry = await _call(backends, carrier, cfg=_cfg(resume_false_interruption=True, pace_lead_s=0.5))
+        carrier.dtmf("1")
+        await carrier.wait(lambda sent: len(carrier.echoed_at) >= 4)  # the phone plays it
+        session = next(iter(registry))
+        replies = session.core.replies
+        await replies.barge_in("")  # what speech over it does: pauses it (a backchannel so far)
+        assert replies.paused and carrier.of("clear")
+        await asyncio.sleep(0.3)  # the pause the caller hears (not a synchronisation)
+        await replies.resume()  # the speech was no turn
+        await _until(session, lambda: not replies.running)
+        await asyncio.sleep(max(0.0, carrier.played_out_at - time.monotonic()))  # the phone's own clock
+        carrier.stop()
+        await asyncio.wait_for(served, 30)
+        return carrier
+
+    carrier = asyncio.run(go())
+    heard = np.frombuffer(audioop.ulaw2lin(b"".join(d for _, _, d in carrier.played), 2), "<i2").astype(np.float64)
+    made = resample_poly(np.concatenate(backends.made).astype(np.float64), 1, 3)
+    assert abs(len(heard) - len(made)) <= 0.06 * 8000, (len(heard), len(made))
+    before = sum(len(d) for _, _, d in carrier.played[:carrier.frames_at_clear])  # heard before the pause
+    assert error(heard[:before], made[:before]) < 0.1 and error(heard[before:], made[-(len(heard) - before):]) < 0.1
 
 
 def test_bad_streams_are_closed_with_a_reason_and_another_call_goes_on(engines):  # noqa: F811

@@ -221,3 +221,35 @@ def _remote_candidates(peer: webrtc_peer.Peer) -> list:
     """The remote candidates the server's ICE agent holds (aioice's Connection, under aiortc)."""
     transports = {t.receiver.transport.transport for t in peer.pc.getTransceivers()}
     return [c for t in transports for c in t._connection.remote_candidates]
+
+
+def test_a_paused_reply_waits_on_the_track_and_plays_on_from_where_it_stopped():
+    """resume_false_interruption on a call: the session's ReplyPaused holds the reply track (it
+    sends silence, its queued audio kept); ReplyResumed plays on from the next sample, so the
+    caller hears every sample once, in order, with the pause between."""
+    from types import SimpleNamespace
+
+    from pipeline.conversation import events as CE
+
+    track = webrtc_peer.ReplyTrack()
+    session = WebRTCSession(lambda ev: asyncio.sleep(0), Engines(["Hi."]), SessionConfig(),
+                            peer=SimpleNamespace(speaker=track))
+    reply = SimpleNamespace(id="resp_1", item_id="item_1")
+    audio = np.arange(1, 4 * webrtc_peer.REPLY_FRAME + 1).astype(np.int16)
+    track.push("item_1", audio)
+
+    async def go():
+        out = [track.next_frame()]
+        await session.emit(CE.ReplyPaused(reply))
+        out += [track.next_frame() for _ in range(3)]
+        paused_sent = track.sent
+        await session.emit(CE.ReplyResumed(reply))
+        out += [track.next_frame() for _ in range(3)]
+        return np.concatenate(out), paused_sent
+
+    played, paused_sent = asyncio.run(go())
+    frame = webrtc_peer.REPLY_FRAME
+    assert paused_sent == ("item_1", frame)  # what was heard when it paused
+    assert not played[frame:4 * frame].any()  # silence while paused
+    np.testing.assert_array_equal(np.concatenate([played[:frame], played[4 * frame:]]), audio)
+    assert track.idle

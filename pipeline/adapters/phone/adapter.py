@@ -11,7 +11,9 @@ G.711 becomes ``Hear`` commands at the recogniser's rate; keys become ``Digits``
 back as 20 ms G.711 frames, each reply chunk followed by a ``mark``: the carrier echoes it once the
 caller's phone has played the audio before it, and the echo becomes ``Played``, so a reply cut by
 a barge-in keeps in the history exactly what the caller heard. A cut reply's queued audio is
-dropped at the carrier with ``clear``. ``stop`` (the call ended) closes the session.
+dropped at the carrier with ``clear``; a paused one (``resume_false_interruption``) too, and
+what the caller had not heard of it is sent again first if it resumes (``unplayed.py``).
+``stop`` (the call ended) closes the session.
 
 Who answers is the call's agent (``pipeline/adapters/phone/config.py``): named by the start parameter
 ``agent`` (else the configured default), with ``instructions`` and ``voice`` parameters over it.
@@ -49,6 +51,7 @@ from pipeline.connection import Connection, SessionRegistry, serve_connection
 from pipeline.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER
 from pipeline.adapters.phone.config import PhoneConfig
 from pipeline.session_config import SessionConfig
+from pipeline.adapters.phone.unplayed import Held, Unplayed
 from pipeline.adapters.phone.carriers import DIALECTS, FRAME_BYTES, CallStart, Dialect, StreamError, digit, mark_name, payload
 
 log = logging.getLogger(__name__)
@@ -158,6 +161,10 @@ class PhoneSession(WireSession):
         self._unsent = b""  # encoded audio short of a whole frame
         self._marks: OrderedDict[str, SentMark] = OrderedDict()  # marks awaiting their echo
         self._last_echo: tuple[str, float] | None = None  # (item id, when) of the last echoed mark
+        self._unplayed = Unplayed()  # the reply's chunks the caller's phone has not played
+        self._held: Held | None = None  # a paused reply's, cleared at the carrier, sent again on resume
+        self._heard: C.Played | None = None  # where a paused reply stopped, told with the next media
+        self._resent = 0
 
     async def start(self) -> None:
         try:
@@ -224,6 +231,9 @@ class PhoneSession(WireSession):
 
     async def _media(self, msg: dict) -> None:
         pcm = self._decoder.decode(payload(msg))
+        if self._heard is not None:
+            heard, self._heard = self._heard, None
+            await self.core.do(heard)
         for piece in pieces(pcm):
             await self.core.do(C.Hear(piece))
 
@@ -234,6 +244,7 @@ class PhoneSession(WireSession):
         if sent is None:
             return
         now = _monotonic()
+        self._unplayed.echoed(name, now)
         self.observer.phone_playback(self.dialect.name, now - sent.sent_at)
         if self._last_echo is not None and self._last_echo[0] == sent.item_id:
             self.observer.phone_gap(self.dialect.name, max(0.0, now - self._last_echo[1] - sent.chunk_ms / 1000))
@@ -246,6 +257,10 @@ class PhoneSession(WireSession):
             await self._audio(ev)
         elif isinstance(ev, E.ReplyDone):
             await self._reply_done(ev)
+        elif isinstance(ev, E.ReplyPaused):
+            await self._pause(ev.reply)
+        elif isinstance(ev, E.ReplyResumed):
+            await self._resume(ev.reply)
         elif isinstance(ev, E.ToolCallAsked):
             self.tools.ask(ev.call)
         elif isinstance(ev, E.CallOver):  # the agent ended the call and its last words have played
@@ -258,16 +273,43 @@ class PhoneSession(WireSession):
         await self.send_frame(json.dumps(msg))
 
     async def _audio(self, ev: E.ReplyAudio) -> None:
-        reply = ev.reply
+        await self._chunk(ev.reply, ev.pcm, 1000 * ev.reply.samples / REPLY_RATE, f"{ev.reply.id}.{ev.seq}")
+
+    async def _chunk(self, reply, pcm: np.ndarray, start_ms: float, name: str) -> None:
+        """Reply audio (``start_ms`` into its item) to the carrier, then mark ``name``."""
         encoder = self._encoders.setdefault(reply.id, Encoder(self.call.audio))
-        await self._frames(self._unsent + encoder.encode(ev.pcm))
-        name = f"{reply.id}.{ev.seq}"
+        await self._frames(self._unsent + encoder.encode(pcm))
         unsent_ms = len(self._unsent) / (self.call.audio.rate / 1000)  # the part of a frame still here
-        self._marks[name] = SentMark(reply.item_id, 1000 * (reply.samples + len(ev.pcm)) / REPLY_RATE - unsent_ms,
-                                     1000 * len(ev.pcm) / REPLY_RATE, _monotonic())
+        now = _monotonic()
+        self._marks[name] = SentMark(reply.item_id, start_ms + 1000 * len(pcm) / REPLY_RATE - unsent_ms,
+                                     1000 * len(pcm) / REPLY_RATE, now)
         while len(self._marks) > MAX_MARKS:
             self._marks.popitem(last=False)
+        self._unplayed.sent(name, reply.item_id, start_ms, pcm, now)
         await self._send(self.dialect.mark(self.call.stream_id, name))
+
+    async def _pause(self, reply) -> None:
+        """Speech paused the reply: the carrier drops what it holds (it cannot pause), and what the
+        caller had not heard is kept to send first when the reply resumes."""
+        self._held = self._unplayed.hold(reply.item_id, _monotonic())
+        self._drop(reply)
+        self._encoders[reply.id] = Encoder(self.call.audio)
+        await self._send(self.dialect.clear(self.call.stream_id))
+        if self._held is not None:  # told with the next media: what the caller heard of it
+            self._heard = C.Played(self._held.item_id, self._held.audio_ms, playing=False)
+
+    async def _resume(self, reply) -> None:
+        held, self._held = self._held, None
+        if held is not None and held.item_id == reply.item_id and len(held.pcm):
+            self._resent += 1
+            await self._chunk(reply, held.pcm, held.audio_ms, f"{reply.id}.again{self._resent}")
+
+    def _drop(self, reply) -> None:
+        """What the carrier holds of ``reply`` is dropped: its late marks mean nothing."""
+        self._unsent = b""
+        for name in [n for n, m in self._marks.items() if m.item_id == reply.item_id]:
+            del self._marks[name]
+        self._last_echo = None
 
     async def _frames(self, data: bytes) -> None:
         whole = len(data) - len(data) % FRAME_BYTES
@@ -277,11 +319,10 @@ class PhoneSession(WireSession):
 
     async def _reply_done(self, ev: E.ReplyDone) -> None:
         encoder = self._encoders.pop(ev.reply.id, None)
-        if ev.reply.status == CANCELLED:  # what it queued is dropped: its late marks mean nothing
-            self._unsent = b""
-            for name in [n for n, m in self._marks.items() if m.item_id == ev.reply.item_id]:
-                del self._marks[name]
-            self._last_echo = None
+        self._unplayed.forget()
+        self._held = None
+        if ev.reply.status == CANCELLED:  # what it queued is dropped
+            self._drop(ev.reply)
             await self._send(self.dialect.clear(self.call.stream_id))
         elif encoder is not None:  # the last samples, padded to a whole frame of silence
             tail = self._unsent + encoder.encode(np.zeros(0, np.int16), last=True)

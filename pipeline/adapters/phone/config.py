@@ -34,6 +34,9 @@ class PhoneAgent:
     speaks_first: bool = False  # the agent answers the call with a reply of its own (a greeting)
     # The call's noise suppressor (SessionConfig.noise_reduction; "none": none); unset: the server's.
     noise_reduction: str | None = None
+    # Speech over a reply pauses it, and it resumes if the speech was no turn (a backchannel, a
+    # noise): SessionConfig.resume_false_interruption; unset: the server's.
+    resume_false_interruption: bool | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.tools) - set(CALL_TOOLS)
@@ -48,14 +51,20 @@ class PhoneAgent:
         if self.noise_reduction not in (None, "none") + NOISE_REDUCTION:
             raise ValueError(f"phone agent noise_reduction must be one of {('none',) + NOISE_REDUCTION}, "
                              f"got {self.noise_reduction!r}")
+        if self.resume_false_interruption not in (None, True, False):
+            raise ValueError(f"phone agent resume_false_interruption must be true or false, "
+                             f"got {self.resume_false_interruption!r}")
         if self.dtmf == "tool" and "collect_digits" not in self.tools:
             raise ValueError("dtmf: tool gives keys to the collect_digits tool: list it in the agent's tools")
 
     def turn_taking_changes(self) -> dict[str, Any]:
         """What it sets of the session's turn taking (SessionConfig fields)."""
-        if self.noise_reduction is None:
-            return {}
-        return {"noise_reduction": None if self.noise_reduction == "none" else self.noise_reduction}
+        out: dict[str, Any] = {}
+        if self.noise_reduction is not None:
+            out["noise_reduction"] = None if self.noise_reduction == "none" else self.noise_reduction
+        if self.resume_false_interruption is not None:
+            out["resume_false_interruption"] = self.resume_false_interruption
+        return out
 
     def agent_changes(self) -> dict[str, Any]:
         """What it sets of the session's agent (AgentSettings fields), its tools' schemas included."""

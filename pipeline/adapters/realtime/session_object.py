@@ -10,7 +10,8 @@ refused whole:
   ``semantic_vad`` -> the VAD plus Smart Turn (our semantic end-of-turn model), with
   ``eagerness`` choosing how sure it must be and how long an unsure pause may last. Both VADs
   barge in on speech when ``interrupt_response`` is true and answer a turn when
-  ``create_response`` is true.
+  ``create_response`` is true. Our extension ``resume_false_interruption`` (the server's default
+  unless given): speech over a reply pauses it, and it resumes if the speech was no turn.
 - ``audio.input.format`` / ``audio.output.format``: ``audio/pcm`` (24 kHz), ``audio/pcmu``,
   ``audio/pcma`` (8 kHz).
 - ``audio.input.noise_reduction``: ``{"type": "near_field"}`` -> RNNoise, ``far_field`` ->
@@ -146,7 +147,8 @@ def initial(session_id: str, model: str, cfg: SessionConfig) -> dict:
         detection = None
     else:
         detection = {"type": "semantic_vad", "eagerness": "auto", "create_response": True,
-                     "interrupt_response": cfg.barge_in != "off"}
+                     "interrupt_response": cfg.barge_in != "off",
+                     "resume_false_interruption": cfg.resume_false_interruption}
     return {
         "type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
         "output_modalities": ["audio"], "instructions": "",
@@ -183,10 +185,10 @@ def _number(detection: dict, name: str, low: float, high: float, default: float)
     return float(value)
 
 
-def _flag(detection: dict, name: str) -> bool:
-    value = detection.get(name, True)
+def _flag(detection: dict, name: str, default: bool = True) -> bool:
+    value = detection.get(name, default)
     if value is None:
-        return True
+        return default
     if not isinstance(value, bool):
         param = f"session.audio.input.turn_detection.{name}"
         raise BadSetting(param, f"{param} must be true or false, got {value!r}")
@@ -223,7 +225,9 @@ def _turn_taking(detection: Any, server: SessionConfig) -> tuple[dict[str, Any],
         raise BadSetting(param, f"{param} must be null or have type server_vad or semantic_vad, got {detection!r}")
     barge_in = server.barge_in if server.barge_in != "off" else "vad"
     changes: dict[str, Any] = {"turn_detection": "vad", "vad_events": True,
-                               "barge_in": barge_in if _flag(detection, "interrupt_response") else "off"}
+                               "barge_in": barge_in if _flag(detection, "interrupt_response") else "off",
+                               "resume_false_interruption": _flag(detection, "resume_false_interruption",
+                                                                  server.resume_false_interruption)}
     if kind == "server_vad":
         changes.update(vad_threshold=_number(detection, "threshold", 0.01, 0.99, server.vad_threshold),
                        vad_preroll_ms=_number(detection, "prefix_padding_ms", 0, 2000, server.vad_preroll_ms),

@@ -15,7 +15,9 @@ WebSocket adapter, of which this is a subclass. What differs is the audio:
   so (``holds_playback``), and whether the track still plays (``Played(playing=...)``), so speech
   over a reply that has been sent whole but still plays is cut by the core (``PlaybackCut``): the
   track drops it, the client hears ``output_audio_buffer.cleared`` and, its item truncated to what
-  was heard, ``conversation.item.truncated``, as OpenAI's WebRTC server does.
+  was heard, ``conversation.item.truncated``, as OpenAI's WebRTC server does;
+- a reply paused by speech that may be no turn (``resume_false_interruption``) stops on the track
+  within a frame, its queued audio kept, and plays on from there if it resumes.
 """
 from __future__ import annotations
 
@@ -67,6 +69,9 @@ class WebRTCSession(RealtimeSession):
                 self._speaking.add(ev.reply.id)
                 await self.send({"type": "output_audio_buffer.started", "response_id": ev.reply.id})
             self.peer.speaker.push(ev.reply.item_id, ev.pcm)
+            return
+        if isinstance(ev, (CE.ReplyPaused, CE.ReplyResumed)):  # the track holds what it has, or plays on
+            self.peer.speaker.hold(isinstance(ev, CE.ReplyPaused))
             return
         if isinstance(ev, CE.PlaybackCut):
             self.peer.speaker.clear()

@@ -181,6 +181,7 @@ class ReplyTrack(ClockedAudioTrack):
         self._queued = 0  # samples in the queue
         self.sent: tuple[str | None, int] = (None, 0)
         self.dropped = 0  # samples refused for lack of room
+        self.held = False  # a paused reply's audio waits in the queue
 
     def push(self, item_id: str, pcm: np.ndarray) -> None:
         if self._queued + len(pcm) > MAX_QUEUED_REPLY_S * REPLY_RATE:
@@ -192,6 +193,11 @@ class ReplyTrack(ClockedAudioTrack):
     def clear(self) -> None:
         self._queue.clear()
         self._queued = 0
+        self.held = False
+
+    def hold(self, held: bool) -> None:
+        """A paused reply: silence goes out and its queued audio waits (``held``), or plays on."""
+        self.held = held
 
     @property
     def idle(self) -> bool:
@@ -200,7 +206,7 @@ class ReplyTrack(ClockedAudioTrack):
     def next_frame(self) -> np.ndarray:
         out = np.zeros(REPLY_FRAME, np.int16)
         filled = 0
-        while filled < REPLY_FRAME and self._queue:
+        while filled < REPLY_FRAME and self._queue and not self.held:
             item_id, pcm = self._queue[0]
             n = min(REPLY_FRAME - filled, len(pcm))
             out[filled:filled + n] = pcm[:n]
