@@ -57,7 +57,7 @@ class Conversation:
     def __init__(self, emit: Emit, backends: Backends, cfg: SessionConfig | None = None, session_id: str | None = None,
                  smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
                  clock: Callable[[], float] = time.monotonic, observer: Observer | None = None,
-                 wake: asyncio.Event | None = None, holds_playback: bool = False):
+                 wake: asyncio.Event | None = None, holds_playback: bool = False, client_pauses: bool = True):
         cfg = cfg or SessionConfig()
         self.id = session_id or new_id("sess")
         self.changed = asyncio.Event()  # what a resumed conversation would start from changed
@@ -74,6 +74,7 @@ class Conversation:
         self.tools = ToolFlow(s)
         self.speculator = Speculator(s, lambda: self.turns.recogniser)
         self.replies = Replies(s, self.tools, self.speculator, lambda: self.turns.ears, self.wake)
+        self.replies.client_pauses = client_pauses  # a paused reply stops playing at the client (not a Realtime WebSocket's)
         self.user_turns = UserTurns(s, self.turns, self.replies, self.speculator)
         self.items = Items(s, self.turns, self.replies)
         self.configurator = Configurator(s, self.turns)

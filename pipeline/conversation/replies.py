@@ -43,6 +43,7 @@ class Replies:
         self._open_turn: int | None = None  # a turn whose response waits on tool results
         self.seq_turn, self._seq = 0, 0  # the response's audio count, across its replies
         self.in_flight: InFlight | None = None  # the audio of the last reply that sent any, by seq
+        self.client_pauses = True  # a paused reply stops playing at the client, which keeps the rest
 
     # what a Reply reads of its host
     cfg = property(lambda self: self.shared.cfg)
@@ -133,17 +134,18 @@ class Replies:
             await self.interrupt(send_done=True, reason="turn_detected")
         elif not self.reply.paused:
             self.reply.pause()
-            if (ears := self.ears()) is not None:
+            if (ears := self.ears()) is not None and self.client_pauses:
                 ears.stop_playback(hold=True)  # the client stops playing it and keeps what it has
             await self.shared.emit(ReplyPaused(self.reply))
 
     async def resume(self) -> None:
         """The speech that paused the reply was no turn: it goes on where it paused."""
         if self.paused:
-            self.reply.resume()
-            if (ears := self.ears()) is not None:
+            reply = self.reply
+            if (ears := self.ears()) is not None and self.client_pauses:
                 ears.resume_playback()  # what the client held plays first
-            await self.shared.emit(ReplyResumed(self.reply))
+            await self.shared.emit(ReplyResumed(reply))  # the wire sends what it held before any more comes
+            reply.resume()
 
     def _remember(self, reply: Reply) -> None:
         """History and TTS context keep what was actually said (and its generated codes)."""

@@ -163,6 +163,8 @@ class Reply:
                 log.exception("reply %s (turn %d) failed", self.id, self.turn)
                 self.status, self.reason = FAILED, E_INTERNAL
                 await self.host.reply_error(self, E_INTERNAL, f"reply to turn {self.turn} failed: {type(exc).__name__}")
+        if self.status == IN_PROGRESS and self.paused:
+            await self._playing.wait()  # a paused reply ends once it resumes (a cut cancels it here)
         if self.status == IN_PROGRESS:
             self.status = COMPLETED
         await self.host.reply_ended(self)

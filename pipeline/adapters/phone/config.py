@@ -51,7 +51,7 @@ class PhoneAgent:
         if self.noise_reduction not in (None, "none") + NOISE_REDUCTION:
             raise ValueError(f"phone agent noise_reduction must be one of {('none',) + NOISE_REDUCTION}, "
                              f"got {self.noise_reduction!r}")
-        if self.resume_false_interruption not in (None, True, False):
+        if not (self.resume_false_interruption is None or isinstance(self.resume_false_interruption, bool)):
             raise ValueError(f"phone agent resume_false_interruption must be true or false, "
                              f"got {self.resume_false_interruption!r}")
         if self.dtmf == "tool" and "collect_digits" not in self.tools:

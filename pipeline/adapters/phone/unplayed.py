@@ -2,10 +2,12 @@
 
 A carrier cannot pause its playback: ``clear`` drops what it holds. So a reply paused by speech
 that may be no turn (``resume_false_interruption``) is cleared at the carrier, and what the caller
-had not heard of it is kept here and sent again, first, when it resumes: nothing skipped, nothing
-said twice. Each chunk's audio is kept until its mark comes back (the phone played it); the chunk
-playing when the reply paused is cut where the phone had got to, counted from when it began to
-play (its predecessor's echo, or its own sending if the carrier was idle).
+had not heard of it is kept here and sent again, first, when it resumes: nothing skipped. Each
+chunk's audio is kept until its mark comes back (the phone played it); the chunk playing when the
+reply paused is cut where the phone had got to, counted from when it began to play (its
+predecessor's echo, or its own sending if the carrier was idle). An echo comes back a network
+trip after the audio before it played, so about that much (tens of ms) may be said twice; where
+it cannot be told (another reply's audio before it, chunks forgotten), the chunk is sent whole.
 """
 from __future__ import annotations
 
@@ -35,12 +37,14 @@ class Unplayed:
         self._chunks: OrderedDict[str, tuple[str, float, np.ndarray, float]] = OrderedDict()  # name -> (item, start ms, pcm, sent at)
         self._samples = 0
         self._echoed_at: float | None = None  # when the last mark came back
+        self._evicted = False  # chunks were forgotten unechoed (over MAX_UNPLAYED_S)
 
     def sent(self, name: str, item_id: str, start_ms: float, pcm: np.ndarray, now: float) -> None:
         self._chunks[name] = (item_id, start_ms, np.asarray(pcm, np.int16), now)
         self._samples += len(pcm)
         while self._samples > MAX_UNPLAYED_S * REPLY_RATE:
             self._samples -= len(self._chunks.popitem(last=False)[1][2])
+            self._evicted = True
 
     def echoed(self, name: str, now: float) -> None:
         """Mark ``name`` came back: its chunk and those before it have played."""
@@ -52,22 +56,25 @@ class Unplayed:
             if first == name:
                 break
         self._echoed_at = now
+        self._evicted = self._evicted and bool(self._chunks)
 
     def forget(self) -> None:
         """The reply ended (or was cut): nothing of it is sent again."""
         self._chunks.clear()
-        self._samples, self._echoed_at = 0, None
+        self._samples, self._echoed_at, self._evicted = 0, None, False
 
     def hold(self, item_id: str, now: float) -> Held | None:
         """Item ``item_id``'s reply pauses now and the carrier is cleared: what the phone had not
         played of it (None: it had played everything). Forgets all it kept."""
         chunks = [chunk for chunk in self._chunks.values() if chunk[0] == item_id]
-        echoed_at = self._echoed_at
+        behind = next(iter(self._chunks.values()))[0] != item_id if self._chunks else False  # another reply's tail first
+        echoed_at, evicted = self._echoed_at, self._evicted
         self.forget()
         if not chunks:
             return None
         _, start_ms, pcm, sent_at = chunks[0]
         began = max(sent_at, echoed_at or sent_at)  # the first unplayed chunk began to play
-        played = int(np.clip((now - began) * REPLY_RATE, 0, len(pcm)))
+        # Not begun while another reply's audio played before it; unknown once older chunks were forgotten.
+        played = 0 if behind or evicted else int(np.clip((now - began) * REPLY_RATE, 0, len(pcm)))
         return Held(item_id, start_ms + 1000 * played / REPLY_RATE,
                     np.concatenate([pcm[played:], *(chunk[2] for chunk in chunks[1:])]))

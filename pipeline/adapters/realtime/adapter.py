@@ -85,6 +85,9 @@ class RealtimeSession(WireSession):
                  model: str = "gapless", beta: bool = False, observer: Observer | None = None, **core_options):
         super().__init__(send, observer)
         self.server_cfg = cfg or SessionConfig()
+        # A WebSocket client plays out what it holds when a reply pauses (no event tells it to stop);
+        # a WebRTC call's track, which the server holds, pauses.
+        core_options.setdefault("client_pauses", core_options.get("holds_playback", False))
         self.core = self.conversation(backends, self.server_cfg, session_id or new_id("sess"), smart_turn, voices,
                                       _monotonic, **core_options)
         self.beta = beta

@@ -80,6 +80,8 @@ class WebRTCSession(RealtimeSession):
                 await self.send({"type": "conversation.item.truncated", "item_id": ev.item_id, "content_index": 0,
                                  "audio_end_ms": ev.audio_end_ms})
             return
+        if isinstance(ev, CE.ReplyDone):
+            self.peer.speaker.hold(False)  # a reply paused before its audio, or ended paused, holds nothing more
         if isinstance(ev, CE.ReplyDone) and ev.reply.id in self._speaking:
             self._speaking.discard(ev.reply.id)
             if ev.reply.status != COMPLETED:
