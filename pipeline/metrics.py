@@ -243,7 +243,7 @@ def export_gateway_series() -> None:
     for code in (errors.E_INTERNAL, errors.E_NO_FREE_SLOT, errors.E_SERVER_BUSY, errors.E_IDLE_TIMEOUT,
                  errors.E_TURN_TOO_LONG, errors.E_ENGINE_UNAVAILABLE, errors.E_AUDIO_TOO_FAST):
         ERRORS.labels(code=code).inc(0)
-    for by in ("smart_turn", "silence", "turn_end", "typed", "endpoint", "max_turn"):
+    for by in ("smart_turn", "silence", "turn_end", "typed", "endpoint", "max_turn", "short"):
         TURN_ENDS.labels(by=by).inc(0)
     for code in ("unauthorized", "origin_not_allowed", "host_not_allowed", "too_many_handshakes", "too_many_sessions"):
         HANDSHAKES_REFUSED.labels(code=code).inc(0)

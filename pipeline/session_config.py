@@ -110,7 +110,12 @@ class BargeIn:
     # with nothing but backchannel words (or none) is no turn, and the reply resumes where it paused.
     resume_false_interruption: bool = False
     backchannel_words: tuple[str, ...] = ("mm", "mmm", "mhm", "mm-hm", "mm-hmm", "hm", "hmm", "uh-huh", "uh", "um",
-                                          "ah", "oh", "yeah", "yep", "yes", "ok", "okay", "right", "sure")
+                                          "ah", "oh", "yeah", "yep", "yes", "ok", "okay", "right", "sure", "ha", "haha",
+                                          "hahaha", "heh", "hehe")
+    # Speech over a paused reply that stops within this many ms (a backchannel's length) ends its turn
+    # at the VAD's speech.stopped, not after Smart Turn or eot_max_silence_ms: its words decide at once
+    # whether the reply resumes (0: no such shortcut; 800 by load.backchannels, docs/turn-taking.md).
+    backchannel_max_ms: float = 800
     barge_in_min_rms: float = 0.01  # of int16 full scale; quieter audio never interrupts by words
     # No interruption in the reply's first barge_in_grace_s of audio (0: none; was 0.5 s before the
     # echo canceller's check made it unneeded; kept for clients that want one).
@@ -121,7 +126,7 @@ class BargeIn:
             self.barge_in = "vad" if self.barge_in else "off"
         if self.barge_in not in BARGE_IN:
             raise ValueError(f"SessionConfig.barge_in must be one of {BARGE_IN} or a bool, got {self.barge_in!r}")
-        for name in ("barge_in_min_speech_ms", "barge_in_grace_s", "barge_in_min_rms"):
+        for name in ("barge_in_min_speech_ms", "barge_in_grace_s", "barge_in_min_rms", "backchannel_max_ms"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"SessionConfig.{name} must be >= 0, got {getattr(self, name)!r}")
 

@@ -781,3 +781,42 @@ def test_a_backchannel_pauses_and_resumes_the_reply_a_turn_ends_it(engines, said
         assert [m["turn"] for m in rec.of("transcript.final")] == [1, 2]
         assert "transcript.partial" in kinds, [k for k in kinds if k not in ("audio", "response.text")]
         assert kinds.index("response.done") < kinds.index("transcript.partial")
+
+
+def test_a_short_backchannel_resumes_the_reply_as_its_speech_stops(engines):
+    """backchannel_max_ms: "mm-hm" over a reply paused by it ends its turn at the VAD's
+    speech.stopped, so the reply resumes in that very microphone frame. Without the rule it waited
+    on Smart Turn, which doubts a lone "mm-hm" at first (the reply resumed frames later); the
+    backchannel still takes no turn, and nothing of the reply is skipped."""
+    backends = Says(engines, "Mm-hm.")
+    person = speech.espeak("Mm-hm.")
+
+    async def go():
+        t0 = time.monotonic()
+        rec = Recorder()
+        s = Session(rec, backends, SessionConfig(resume_false_interruption=True, backchannel_max_ms=800))
+        await s.start()
+        await s.on_frame(P.client_text("Tell me a long story."))
+        person_at, frame_of = None, {}
+        for k in range(0, 8 * RATE, 320):
+            await asyncio.sleep(max(0.0, t0 + k / RATE - time.monotonic()))
+            mic = np.zeros(320, np.float32)
+            if person_at is None and len(rec.of("audio")) > 12:
+                person_at = k
+            if person_at is not None:
+                mic += np.pad(person[k - person_at:k - person_at + 320], (0, 320))[:320]
+            await s.on_frame(P.client_audio(np.clip(mic, -32768, 32767).astype(np.int16)))
+            for kind in ("speech.stopped", "response.resumed"):
+                if rec.of(kind) and kind not in frame_of:
+                    frame_of[kind] = k
+            if "response.resumed" in frame_of:
+                break
+        await s.close()
+        return rec, frame_of
+
+    rec, frame_of = asyncio.run(go())
+    assert frame_of.get("response.resumed") is not None and frame_of["response.resumed"] == frame_of["speech.stopped"]
+    assert [m["turn"] for m in rec.of("transcript.final")] == [1]  # the backchannel took no turn
+    sent = [m for m in rec.of("audio") if m["turn"] == 1]
+    played = np.concatenate([np.frombuffer(m["pcm"], "<i2") for m in sent])
+    np.testing.assert_array_equal(played, np.concatenate(backends.made)[:len(played)])

@@ -44,7 +44,7 @@ from pipeline.conversation.shared import Shared
 from pipeline.conversation.snapshot import Snapshot
 from pipeline.conversation.speculation import CANCELLED, Speculator
 from pipeline.conversation.tools import ToolFlow
-from pipeline.conversation.turns import Lull, SpeakingOn, SpeechOver, TurnOver, TurnTaker, Words
+from pipeline.conversation.turns import Lull, SpeakingOn, SpeechEnded, SpeechOver, TurnOver, TurnTaker, Words
 from pipeline.conversation.user_turns import UserTurns
 from pipeline.conversation.voice_context import VoiceContext
 from pipeline.engines import Backends
@@ -181,6 +181,10 @@ class Conversation:
             elif d.may_barge_in and replies.interruptible():
                 await replies.barge_in(d.text, self.turns.speech_started_at)
             await self.shared.emit(TranscriptDelta(self.shared.turn + 1, turn.item_id, d.delta, d.text))
+        elif isinstance(d, SpeechEnded):
+            if replies.paused and d.speech_ms <= cfg.backchannel_max_ms:  # a backchannel's length: judged now
+                await self._peeked()
+                await self.user_turns.end_spoken("short")
         elif isinstance(d, SpeakingOn):
             await self.speculator.speaking_on()
         elif isinstance(d, Lull) and cfg.preemptive_generation and self.shared.reply_on_turn_end \

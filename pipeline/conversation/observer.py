@@ -25,7 +25,7 @@ class Observer:
         that was late, pipeline/conversation/dead_air.py)."""
 
     def turn_ended(self, by: str) -> None:
-        """A user turn ended; ``by``: what ended it (turn_end, typed, smart_turn, silence, endpoint, max_turn)."""
+        """A user turn ended; ``by``: what ended it (turn_end, typed, smart_turn, silence, endpoint, max_turn, short: short speech over a paused reply)."""
 
     def interrupted(self) -> None:
         """A reply was cut (barge-in, a new turn, the client cancelled it)."""

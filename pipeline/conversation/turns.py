@@ -24,7 +24,7 @@ from pipeline.session_config import SessionConfig
 from pipeline.conversation.ears.vad import VADEvent
 
 EOT_RECHECK_MS = 100  # Smart Turn runs again after this much more silence in a pause (~25 ms of one core)
-SERVER_ENDS = ("smart_turn", "silence", "endpoint", "max_turn")  # what ends a turn hands-free
+SERVER_ENDS = ("smart_turn", "silence", "endpoint", "max_turn", "short")  # what ends a turn hands-free
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,15 @@ class SpeakingOn:
 
 @dataclass(frozen=True)
 class TurnOver:
-    by: str  # smart_turn, silence, endpoint or max_turn
+    by: str  # smart_turn, silence, endpoint, max_turn or short (SpeechEnded's)
+
+
+@dataclass(frozen=True)
+class SpeechEnded:
+    """Hands-free, the VAD's speech.stopped: ``speech_ms`` of the turn so far were speech (from its
+    first onset). Short speech over a paused reply ends its turn at once (``backchannel_max_ms``)."""
+
+    speech_ms: float
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,7 @@ class Transcript:
     audio: np.ndarray | None
 
 
-Decision = SpeechOver | Words | Lull | SpeakingOn | TurnOver
+Decision = SpeechOver | Words | Lull | SpeakingOn | TurnOver | SpeechEnded
 
 
 class TurnTaker:
@@ -214,6 +222,9 @@ class TurnTaker:
         if any(ev.kind == "speech.stopped" for ev in events):  # Smart Turn judges the turn from here
             heard.eot_deadline = self.clock() + max(0.0, (cfg.eot_max_silence_ms - silence_ms) / 1000)
             heard.eot_check_at_ms = silence_ms
+            yield SpeechEnded(1000 * heard.samples / USER_RATE - cfg.vad_preroll_ms - silence_ms)
+            if heard is not self.user_turn:
+                return  # it ended the turn
         if heard.eot_check_at_ms is not None and silence_ms >= heard.eot_check_at_ms:
             heard.eot_check_at_ms = silence_ms + EOT_RECHECK_MS
             if await self._complete(heard, cfg) and not self.ears.speaking:
@@ -248,7 +259,7 @@ class TurnTaker:
     def speech_end(self, by: str, ended_at: float) -> float:
         """When the speech of a turn that ``by`` ended at ``ended_at`` ended: where a pause ended
         it, at the VAD's speech end; where the client (turn.end, commit) or a limit did, then."""
-        if by in ("smart_turn", "silence") and self.speech_ended_at is not None:
+        if by in ("smart_turn", "silence", "short") and self.speech_ended_at is not None:
             return min(self.speech_ended_at, ended_at)
         return ended_at
 
