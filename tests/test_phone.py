@@ -315,6 +315,39 @@ def test_a_paused_reply_resumes_on_the_phone_with_nothing_skipped_or_said_twice(
     assert error(heard[:before], made[:before]) < 0.1 and error(heard[before:], made[-(len(heard) - before):]) < 0.1
 
 
+def test_a_pause_never_lands_inside_a_chunks_frames(engines):  # noqa: F811
+    """A carrier whose every send yields to the loop: a reply chunk of 200 ms (ten frames) is being
+    sent when speech pauses the reply. The clear goes out after the chunk's last frame and its mark,
+    so the audio held for the resume is all the carrier dropped, in order."""
+    from types import SimpleNamespace
+
+    from pipeline.conversation import events as E
+
+    class Yielding(Carrier):
+        async def send(self, frame: str) -> None:
+            await asyncio.sleep(0)
+            await super().send(frame)
+
+    async def go():
+        carrier = Yielding(echo_marks=False)
+        carrier.connected()
+        carrier.start()
+        served, registry = await _call(_fresh(engines), carrier, cfg=_cfg(resume_false_interruption=True))
+        await carrier.wait(lambda sent: registry.opened)
+        session = next(iter(registry))
+        reply = SimpleNamespace(id="resp_1", item_id="item_1", samples=0)
+        pcm = (3000 * np.sin(np.arange(4800) / 5)).astype(np.int16)
+        await asyncio.gather(session.emit(E.ReplyAudio(reply, pcm, 0)), session.emit(E.ReplyPaused(reply)))
+        carrier.stop()
+        await asyncio.wait_for(served, 30)
+        return carrier, session
+
+    carrier, session = asyncio.run(go())
+    kinds = [m["event"] for m in carrier.sent]
+    assert kinds.count("media") >= 9 and kinds.index("clear") > kinds.index("mark") > max(
+        i for i, k in enumerate(kinds) if k == "media")
+
+
 def test_bad_streams_are_closed_with_a_reason_and_another_call_goes_on(engines):  # noqa: F811
     backends = _fresh(engines)
     bad = {

@@ -165,6 +165,7 @@ class PhoneSession(WireSession):
         self._held: Held | None = None  # a paused reply's, cleared at the carrier, sent again on resume
         self._heard: C.Played | None = None  # where a paused reply stopped, told with the next media
         self._resent = 0
+        self._sending = asyncio.Lock()  # reply audio, its pause, resume and end go to the carrier in turn
 
     async def start(self) -> None:
         try:
@@ -253,21 +254,26 @@ class PhoneSession(WireSession):
 
     # ------------------------------------------------------------------ conversation events out
     async def emit(self, ev: E.Event) -> None:
-        if isinstance(ev, E.ReplyAudio):
-            await self._audio(ev)
-        elif isinstance(ev, E.ReplyDone):
-            await self._reply_done(ev)
-        elif isinstance(ev, E.ReplyPaused):
-            await self._pause(ev.reply)
-        elif isinstance(ev, E.ReplyResumed):
-            await self._resume(ev.reply)
-        elif isinstance(ev, E.ToolCallAsked):
+        if isinstance(ev, (E.ReplyAudio, E.ReplyDone, E.ReplyPaused, E.ReplyResumed)):
+            async with self._sending:  # one at a time: a pause (a frame's) never lands inside a chunk's frames
+                await self._reply_event(ev)
+        if isinstance(ev, E.ToolCallAsked):
             self.tools.ask(ev.call)
         elif isinstance(ev, E.CallOver):  # the agent ended the call and its last words have played
             what = await self.tools.finish(self.call.call_id, ev.transfer_to)
             raise CloseConnection(None, f"the call was {what}", CLOSE_NORMAL, f"call {what}"[:120])
         elif isinstance(ev, E.Error):
             log.info("call stream %s: %s: %s", self.id, ev.code, ev.message)  # a phone has no channel for it
+
+    async def _reply_event(self, ev) -> None:
+        if isinstance(ev, E.ReplyAudio):
+            await self._audio(ev)
+        elif isinstance(ev, E.ReplyDone):
+            await self._reply_done(ev)
+        elif isinstance(ev, E.ReplyPaused):
+            await self._pause(ev.reply)
+        else:
+            await self._resume(ev.reply)
 
     async def _send(self, msg: dict) -> None:
         await self.send_frame(json.dumps(msg))
