@@ -44,11 +44,14 @@ FRAME = 320
 
 
 class Oracle:
-    """The engines, hearing ``text`` as said: a partial once the utterance's audio is all in, the
-    final at the turn's end; and every TTS chunk made is kept, to compare with what was sent."""
+    """The engines, hearing ``text`` as said: a partial once ``samples`` of a turn's audio are in
+    (here: the utterance's whole audio), the final at the turn's end if ``final_from`` samples were
+    heard (default: half of them; less is a turn cut short by a pause); and every TTS chunk made is
+    kept, to compare with what was sent."""
 
-    def __init__(self, inner, text: str, samples: int):
+    def __init__(self, inner, text: str, samples: int, final_from: int | None = None):
         self.inner, self.text, self.samples = inner, text, samples
+        self.final_from = samples // 2 if final_from is None else final_from
         self.heard: dict[str, int] = {}
         self.made: list[np.ndarray] = []
 
@@ -68,11 +71,11 @@ class Oracle:
 
     async def stt_finish(self, sid):
         _, words = await self.inner.stt_finish(sid)
-        return (self.text if self.heard.get(sid, 0) >= self.samples // 2 else ""), words
+        return (self.text if self.heard.get(sid, 0) >= self.final_from else ""), words
 
     async def stt_peek(self, sid):
         peeked = await self.inner.stt_peek(sid)
-        return None if peeked is None else (self.text if self.heard.get(sid, 0) >= self.samples // 2 else "", peeked[1])
+        return None if peeked is None else (self.text if self.heard.get(sid, 0) >= self.final_from else "", peeked[1])
 
     async def tts_stream(self, text, context, *voice):
         ahead = asyncio.current_task().get_name() == "first-clause"  # a reply started ahead of a turn's end

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from load import speech
+from load.backchannels import Oracle
 from load.speakerphone import Speakerphone
 from pipeline.adapters.v1 import protocol as P
 from pipeline.conversation.observer import Observer
@@ -693,45 +694,11 @@ def test_preemptive_generation_is_cancelled_when_the_user_speaks_on(engines):
 
 
 # ----------------------------------------------------------------------------- false interruptions
-class Says:
+def Says(engines, text: str) -> Oracle:
     """The tiny engines, hearing what the test says was said: a turn's partial transcript, once
     0.5 s of its audio is in, and its final transcript are ``text`` (the tiny recogniser's random
-    weights cannot recognise "mm-hm"); and every TTS chunk made is recorded, to compare with what
-    was sent (but a first clause made ahead of a turn's end: the backchannel's, never sent)."""
-
-    def __init__(self, inner, text: str):
-        self.inner, self.text = inner, text
-        self.heard: dict[str, int] = {}  # samples of each open stream
-        self.made: list[np.ndarray] = []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    async def stt_open(self, sid):
-        self.heard[sid] = 0
-        return await self.inner.stt_open(sid)
-
-    async def stt_push(self, sid, pcm):
-        events = [ev for ev in await self.inner.stt_push(sid, pcm) if ev["kind"] != "partial"]
-        before, self.heard[sid] = self.heard.get(sid, 0), self.heard.get(sid, 0) + len(pcm)
-        if before < RATE // 2 <= self.heard[sid]:
-            events.insert(0, {"kind": "partial", "text": self.text})
-        return events
-
-    async def stt_finish(self, sid):
-        _, words = await self.inner.stt_finish(sid)
-        return self.text, words
-
-    async def stt_peek(self, sid):
-        peeked = await self.inner.stt_peek(sid)
-        return None if peeked is None else (self.text, peeked[1])
-
-    async def tts_stream(self, text, context, *voice):
-        ahead = asyncio.current_task().get_name() == "first-clause"  # a reply started ahead of a turn's end
-        async for pcm, codes in self.inner.tts_stream(text, context, *voice):
-            if not ahead:
-                self.made.append(np.array(pcm))
-            yield pcm, codes
+    weights cannot recognise "mm-hm"); every TTS chunk made is kept (load/backchannels.py)."""
+    return Oracle(engines, text, RATE // 2, final_from=0)
 
 
 @pytest.mark.parametrize("said", ["Mm-hm.", "Stop, tell me about the trains."])

@@ -325,10 +325,9 @@ class PhoneSession(WireSession):
 
     async def _reply_done(self, ev: E.ReplyDone) -> None:
         encoder = self._encoders.pop(ev.reply.id, None)
-        if ev.reply.status == CANCELLED:
-            self._unplayed.forget()
         self._held = self._heard = None
         if ev.reply.status == CANCELLED:  # what it queued is dropped
+            self._unplayed.forget()
             self._drop(ev.reply)
             await self._send(self.dialect.clear(self.call.stream_id))
         elif encoder is not None:  # the last samples, padded to a whole frame of silence
