@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.audio import formant_speech
-from pipeline.stt.reference import encoder_frames, offline_tokens
+from pipeline.stt.reference import encode, encoder_frames, offline_tokens
 
 
 def _joint_out_linear(model) -> torch.nn.Linear:
@@ -39,7 +39,7 @@ def condition_random_joint(model, seconds: float = 6.0, enc_scale: float = 1.5, 
     dev = next(model.parameters()).device
     x = torch.as_tensor(pcm, device=dev)[None]
     feats, feat_len = model.preprocessor(input_signal=x, length=torch.tensor([x.shape[1]], device=dev))
-    enc, _ = model.encoder(audio_signal=feats, length=feat_len)
+    enc, _ = encode(model, feats, feat_len)
     e = enc[0].T  # [T, D]
     w = model.joint.enc.weight / e.std(0).clamp(min=1e-3)[None, :] * enc_scale
     model.joint.enc.weight.copy_(w)
@@ -87,7 +87,7 @@ def calibrate_blank_bias_cached(model, target_rate: float = 0.3, seconds: float 
     for pcm in clips:
         x = torch.as_tensor(pcm, device=dev)[None]
         feats, feat_len = model.preprocessor(input_signal=x, length=torch.tensor([x.shape[1]], device=dev))
-        encs.append(model.encoder(audio_signal=feats, length=feat_len))
+        encs.append(encode(model, feats, feat_len))
 
     def rate_now() -> float:
         n_tok = 0

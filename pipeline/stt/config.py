@@ -15,6 +15,10 @@ class STTConfig:
     # GPU timing without a checkpoint) | "real" (a pretrained .nemo)
     profile: str = "tiny"
     model: Optional[str] = None  # HF id or .nemo path (real); None = profile default
+    # tiny and full: build the multilingual, language-prompted architecture (nemotron-3.5-asr-streaming);
+    # real: the multilingual checkpoint is the default model (a checkpoint says itself whether it is)
+    multilingual: bool = False
+    # [left, lookahead] encoder frames; a model trained with another left context keeps this lookahead
     att_context_size: list[int] = field(default_factory=lambda: [70, 13])
     num_slots: int = 8
     endpoint_ms: Optional[int] = 800  # trailing blank run that ends an utterance; None disables
@@ -43,6 +47,7 @@ class STTConfig:
     cache_dir: Optional[str] = None  # tiny tokenizer; None = ~/.cache/gapless/stt-tiny
 
     REAL_MODEL = "nvidia/nemotron-speech-streaming-en-0.6b"
+    REAL_MULTILINGUAL_MODEL = "nvidia/nemotron-3.5-asr-streaming-0.6b"
 
     @classmethod
     def tiny(cls, **kw) -> "STTConfig":
@@ -56,14 +61,13 @@ class STTConfig:
 
     @classmethod
     def real(cls, **kw) -> "STTConfig":
-        kw.setdefault("model", cls.REAL_MODEL)
         return cls(profile="real", **kw)
 
     def __post_init__(self) -> None:
         if self.profile not in ("tiny", "full", "real"):
             raise ValueError(f"STTConfig.profile must be 'tiny', 'full' or 'real', got {self.profile!r}")
         if self.profile == "real" and self.model is None:
-            self.model = self.REAL_MODEL
+            self.model = self.REAL_MULTILINGUAL_MODEL if self.multilingual else self.REAL_MODEL
         if self.framing not in ("exact", "nemo"):
             raise ValueError(f"STTConfig.framing must be 'exact' or 'nemo', got {self.framing!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -43,9 +43,6 @@ def _layer_ok(layer) -> bool:
         and dw.groups == dw.in_channels == dw.out_channels
         and dw.stride == (1,)
         and dw.dilation == (1,)
-        and dw.bias is not None
-        and conv.pointwise_conv1.bias is not None
-        and conv.pointwise_conv2.bias is not None
     )
 
 
@@ -215,7 +212,9 @@ class KVCacheLayersStep(NemoLayersStep):
         full = torch.cat([cache.transpose(1, 2), y], 1)  # [B, K-1 + T (+ right), d]
         nxt = full[:, -cache.shape[-1] :].transpose(1, 2)  # no cache drop (supports())
         K = dw.kernel_size[0]
-        y = (full.unfold(1, K, 1) * dw.weight[:, 0]).sum(-1) + dw.bias  # [B, T, d]
+        y = (full.unfold(1, K, 1) * dw.weight[:, 0]).sum(-1)  # [B, T, d]
+        if dw.bias is not None:  # none where the encoder is built without biases (use_bias: false)
+            y = y + dw.bias
         if conv.norm_type == "layer_norm":
             y = conv.batch_norm(y)
         else:

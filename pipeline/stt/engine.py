@@ -20,6 +20,7 @@ from pipeline.stt.decoding import PredictionStep, frame_loop_decode_chunk, label
 from pipeline.stt.encoder import KVCacheLayersStep, NemoLayersStep
 from pipeline.stt.features import ChunkFeatures
 from pipeline.stt.framing import Framing
+from pipeline.stt.languages import Languages, prompted
 from pipeline.stt.slots import SlotState, SlotStream, STTEvent
 from pipeline.stt.subsampling import CausalDwStriding
 
@@ -56,6 +57,7 @@ class STTEngine:
         self.framing = Framing.of(model, cfg)  # checks that this model streams exactly
         self.enc, self.preprocessor, self.tokenizer = model.encoder, model.preprocessor, model.tokenizer
         self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        self.languages = Languages.of(model)  # what it speaks; a language-prompted model's prompt per slot
         self._features = ChunkFeatures(model.preprocessor)
         fast_pre = cfg.fast_subsampling and CausalDwStriding.supports(self.enc.pre_encode)
         self._fast_pre = CausalDwStriding(self.enc.pre_encode) if fast_pre else None
@@ -96,15 +98,20 @@ class STTEngine:
     def active_streams(self) -> list[str]:
         return list(self._streams)
 
-    def open(self, stream_id: str) -> None:
+    def open(self, stream_id: str, language: str | None = None) -> None:
+        """A new stream in a free slot, heard as ``language`` (a code of ``languages.codes``; None:
+        the model's default, "auto" where it detects); ValueError for a language it does not speak."""
         if stream_id in self._streams:
             raise ValueError(f"STT stream {stream_id!r} is already open")
+        prompt = self.languages.index(language)
         if not self._free:
             raise NoFreeSlot(
                 f"all {self.num_slots} STT slots are in use; close a stream or raise STTConfig.num_slots"
             )
         slot = self._free.pop(0)
-        self.state.reset(self._index([slot]))
+        rows = self._index([slot])
+        self.state.reset(rows)
+        self.state.prompt.index_fill_(0, rows, prompt)
         self._streams[stream_id] = SlotStream(stream_id, slot)
 
     def fork(self, stream_id: str, fork_id: str) -> None:
@@ -166,21 +173,27 @@ class STTEngine:
             self._advance(ready, last)
         events: list[STTEvent] = []
         for st in ready:
-            events.extend(st.events(self.tokenizer, self.cfg.endpoint_ms, self.framing.frame_ms))
+            events.extend(st.events(self._text, self.cfg.endpoint_ms, self.framing.frame_ms))
         if done:
             self.state.reset(self._index([st.slot for st in done]))
         for st in done:
-            text = self.tokenizer.ids_to_text(st.tokens) if st.tokens else ""
-            words = word_timings(self.tokenizer, st.tokens, st.token_frames, self.framing.frame_ms)
+            text = self._text(st.tokens)
+            words = word_timings(self.tokenizer, *self.languages.text_tokens(st.tokens, st.token_frames),
+                                 self.framing.frame_ms)
             events.append(STTEvent(st.id, "final", text, list(st.tokens), words))
             st.reset()
         return events
 
+    def _text(self, tokens: list[int]) -> str:
+        """The text of ``tokens``: language tags left out."""
+        kept = self.languages.text_tokens(tokens)
+        return self.tokenizer.ids_to_text(kept) if kept else ""
+
     # ------------------------------------------------------------------ offline reference, warm-up
-    def transcribe_offline_tokens(self, pcm: np.ndarray) -> list[int]:
+    def transcribe_offline_tokens(self, pcm: np.ndarray, language: str | None = None) -> list[int]:
         from pipeline.stt.reference import offline_tokens
 
-        return offline_tokens(self.model, pcm)
+        return offline_tokens(self.model, pcm, language)
 
     def warmup(self) -> None:
         """Run every shape the engine steps with before serving (``pipeline/stt/warmup.py``)."""
@@ -297,7 +310,14 @@ class STTEngine:
         for cache, new in zip(self.state.caches, caches):
             cache.index_copy_(1, idx, new)
         self.state.cache_len.index_copy_(0, idx, ch_len)
+        if self.languages.prompted:
+            enc_out = prompted(self.model.prompt_kernel, enc_out, self.state.prompt.index_select(0, idx),
+                               self.languages.num_prompts)
         return enc_out, enc_len
+
+        onehot = torch.nn.functional.one_hot(self.state.prompt.index_select(0, idx), self.languages.num_prompts)
+        onehot = onehot.to(x.dtype)[:, None, :].expand(-1, x.shape[1], -1)
+        return self.model.prompt_kernel(torch.cat([x, onehot], dim=-1)).transpose(1, 2)
 
     def _decode(self, streams: list[SlotStream], enc_out: torch.Tensor, enc_len: torch.Tensor, idx: torch.Tensor) -> None:
         """Stage 4: greedy RNNT over the chunk with each slot's carried prediction-net state, then

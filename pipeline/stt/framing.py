@@ -21,6 +21,20 @@ from pipeline.stt.slots import SlotStream
 CTX_FRAMES = 2  # mel frames of left audio context per chunk (window 512 > hop 160 * 2 + 1 pre-emphasis sample)
 
 
+def context_size(model, cfg: STTConfig) -> list[int]:
+    """``cfg.att_context_size`` where the model was trained with it; else the model's left context
+    with ``cfg``'s lookahead (the multilingual model's left context is 56 frames, the English one's 70).
+    ValueError when no trained context has that lookahead."""
+    trained = [list(a) for a in model.encoder.att_context_size_all]
+    want = list(cfg.att_context_size)
+    if want in trained:
+        return want
+    same = [a for a in trained if a[1] == want[1]]
+    if not same:
+        raise ValueError(f"STTConfig.att_context_size {want}: this model streams with {trained} only")
+    return same[0]
+
+
 @dataclass(frozen=True)
 class Framing:
     hop: int  # samples per mel frame
@@ -37,10 +51,10 @@ class Framing:
 
     @classmethod
     def of(cls, model, cfg: STTConfig) -> "Framing":
-        """The framing of a cache-aware model set to ``cfg.att_context_size``; NotImplementedError
-        for a model this streaming cannot serve exactly."""
+        """The framing of a cache-aware model set to ``cfg.att_context_size`` (its lookahead, where the
+        model has another left context); NotImplementedError for a model this streaming cannot serve exactly."""
         enc, pp = model.encoder, model.preprocessor.featurizer
-        enc.set_default_att_context_size(list(cfg.att_context_size))
+        enc.set_default_att_context_size(context_size(model, cfg))
         sc, hop = enc.streaming_cfg, int(pp.hop_length)
         if getattr(pp, "stft_pad_amount", None) is not None or int(pp.n_fft) // 2 >= hop * (CTX_FRAMES + 1):
             raise NotImplementedError("chunked features need a centred STFT with n_fft/2 < 3 hops")

@@ -15,6 +15,7 @@ from pipeline.stt.calibration import (
     set_blank_bias,
 )
 from pipeline.stt.config import LOOKAHEADS, STTConfig
+from pipeline.stt.framing import context_size
 from pipeline.stt.tiny_tokenizer import tiny_tokenizer_dir
 
 
@@ -93,13 +94,43 @@ def tiny_model_config(tokenizer_dir: str, d_model: int = 64, n_layers: int = 2, 
     )
 
 
-def build_tiny_model(cfg: STTConfig):
-    """A random-weight EncDecRNNTBPEModel with the cache-aware FastConformer shape, built offline."""
-    _silence_nemo()
-    from nemo.collections.asr.models import EncDecRNNTBPEModel
+# The multilingual nemotron's prompt: 128 one-hot language slots, codes at the published model's indices
+# (a subset: the tiny tokenizer's four languages, and "auto", the model's own detection).
+TINY_PROMPTS = {"en-US": 0, "en": 0, "es-ES": 2, "es": 3, "fr": 8, "fr-FR": 8, "de": 9, "de-DE": 9, "auto": 101}
+MULTILINGUAL_LOOKAHEADS = ([56, 3], [56, 0], [56, 6], [56, 13])  # its chunks: 320, 80, 560, 1120 ms
 
-    tok_dir = tiny_tokenizer_dir(cfg.cache_dir)
-    return _random_model(EncDecRNNTBPEModel, tiny_model_config(tok_dir), cfg, calibrate_blank_bias)
+
+def multilingual_config(cfg):
+    """``cfg`` made the multilingual nemotron's architecture: a language prompt (a one-hot of
+    ``num_prompts``) concatenated to the encoder output and projected back through an MLP
+    (``prompt_kernel``: NeMo's ``EncDecRNNTBPEModelWithPrompt``), a left context of 56 frames, and
+    no x-scaling or biases in the encoder, as its published config."""
+    cfg.model_defaults.num_prompts = 128
+    cfg.model_defaults.prompt_dictionary = dict(TINY_PROMPTS)
+    cfg.model_defaults.initialize_prompt_feature = True
+    cfg.encoder.att_context_size = [list(a) for a in MULTILINGUAL_LOOKAHEADS]
+    cfg.encoder.xscaling = False
+    cfg.encoder.use_bias = False
+    return cfg
+
+
+def _model_class(cfg: STTConfig):
+    from nemo.collections.asr.models import EncDecRNNTBPEModel
+    from nemo.collections.asr.models.rnnt_bpe_models_prompt import EncDecRNNTBPEModelWithPrompt
+
+    return EncDecRNNTBPEModelWithPrompt if cfg.multilingual else EncDecRNNTBPEModel
+
+
+def build_tiny_model(cfg: STTConfig):
+    """A random-weight EncDecRNNTBPEModel with the cache-aware FastConformer shape, built offline
+    (``cfg.multilingual``: the language-prompted one, with a multilingual tokenizer)."""
+    _silence_nemo()
+    tok_dir = tiny_tokenizer_dir(cfg.cache_dir, vocab_size=256 if cfg.multilingual else 128,
+                                 multilingual=cfg.multilingual)
+    model_cfg = tiny_model_config(tok_dir)
+    if cfg.multilingual:
+        model_cfg = multilingual_config(model_cfg)
+    return _random_model(_model_class(cfg), model_cfg, cfg, calibrate_blank_bias)
 
 
 def _random_model(model_cls, model_cfg, cfg: STTConfig, calibrate):
@@ -108,7 +139,7 @@ def _random_model(model_cls, model_cfg, cfg: STTConfig, calibrate):
     torch.manual_seed(cfg.seed)
     model = model_cls(cfg=model_cfg, trainer=None)
     model = model.to(cfg.device).eval()
-    model.encoder.set_default_att_context_size(list(cfg.att_context_size))
+    model.encoder.set_default_att_context_size(context_size(model, cfg))
     condition_random_joint(model)
     if cfg.blank_bias is None:
         bias, rate = calibrate(model)
@@ -142,6 +173,7 @@ def load_real_model(name_or_path: str, device: str = "cpu"):
     return model.to(device).eval()
 
 
+
 def load_model(cfg: STTConfig):
     if cfg.profile == "tiny":
         model = build_tiny_model(cfg)  # built and calibrated in float32
@@ -149,7 +181,7 @@ def load_model(cfg: STTConfig):
         model = build_shaped_model("full", cfg)
     else:
         model = load_real_model(cfg.model, cfg.device)
-        model.encoder.set_default_att_context_size(list(cfg.att_context_size))
+        model.encoder.set_default_att_context_size(context_size(model, cfg))
         if cfg.blank_bias:
             set_blank_bias(model, cfg.blank_bias)
     return model.to(getattr(torch, cfg.dtype))
@@ -194,7 +226,8 @@ def build_shaped_model(shape: str, cfg: STTConfig):
     if shape == "tiny":
         return build_tiny_model(cfg)
     _silence_nemo()
-    from nemo.collections.asr.models import EncDecRNNTBPEModel
-
-    tok_dir = tiny_tokenizer_dir(cfg.cache_dir, vocab_size=MODEL_SHAPES[shape]["vocab"])
-    return _random_model(EncDecRNNTBPEModel, shaped_model_config(tok_dir, shape), cfg, calibrate_blank_bias_cached)
+    tok_dir = tiny_tokenizer_dir(cfg.cache_dir, vocab_size=MODEL_SHAPES[shape]["vocab"], multilingual=cfg.multilingual)
+    model_cfg = shaped_model_config(tok_dir, shape)
+    if cfg.multilingual:
+        model_cfg = multilingual_config(model_cfg)
+    return _random_model(_model_class(cfg), model_cfg, cfg, calibrate_blank_bias_cached)

@@ -36,6 +36,7 @@ class SlotState:
     hc0: torch.Tensor  # [2L, H]: the start state
     g0: torch.Tensor  # [joint hidden]
     mel_zero: float
+    prompt: torch.Tensor  # [slot]: the language prompt index of a language-prompted model (else unused)
 
     @classmethod
     def create(cls, cache_shapes, num_slots: int, features: int, pre_cache: int, pred, joint, blank: int,
@@ -48,13 +49,14 @@ class SlotState:
             g0 = joint.project_prednet(g0)[0]
         state = cls(caches, torch.zeros(S, dtype=torch.long, device=device),
                     torch.full((S, features, pre_cache), mel_zero, dtype=dtype, device=device),
-                    hc, g0.expand(S, -1).clone(), hc0[:, 0], g0, mel_zero)
+                    hc, g0.expand(S, -1).clone(), hc0[:, 0], g0, mel_zero,
+                    torch.zeros(S, dtype=torch.long, device=device))
         state.hc[:] = state.hc0[:, None]
         return state
 
     @torch.inference_mode()
     def reset(self, rows: torch.Tensor) -> None:
-        """The start state in ``rows``."""
+        """The start state in ``rows`` (their language prompt stays: it is the stream's, set by open)."""
         for cache in self.caches:
             cache[:, rows] = 0
         self.cache_len[rows] = 0
@@ -71,6 +73,7 @@ class SlotState:
         self.mel_cache[dst] = self.mel_cache[src]
         self.hc[:, dst] = self.hc[:, src]
         self.g[dst] = self.g[src]
+        self.prompt[dst] = self.prompt[src]
 
 
 class SlotStream:
@@ -113,12 +116,12 @@ class SlotStream:
             self.endpointed = False
         self.enc_frames += n_frames
 
-    def events(self, tokenizer, endpoint_ms: float | None, frame_ms: int) -> list[STTEvent]:
-        """What the last chunk changed: the text's new part, and an endpoint after ``endpoint_ms``
-        of blank output."""
+    def events(self, text_of, endpoint_ms: float | None, frame_ms: int) -> list[STTEvent]:
+        """What the last chunk changed: the text's new part (``text_of(tokens)``), and an endpoint
+        after ``endpoint_ms`` of blank output."""
         events = []
         if self.tokens:
-            text = tokenizer.ids_to_text(self.tokens)
+            text = text_of(self.tokens)
             if text != self.text:
                 delta = text[len(self.text):] if text.startswith(self.text) else text
                 self.text = text
