@@ -55,8 +55,8 @@ class RayBackends(Backends):
         return self.stt.options(session_id=sid)
 
     @_engine_call
-    async def stt_open(self, sid: str) -> None:
-        reason = await self._stt(sid).open.remote(sid)
+    async def stt_open(self, sid: str, language: str | None = None) -> None:
+        reason = await self._stt(sid).open.remote(sid, language)
         if reason:
             raise NoFreeSlot(reason)
 

@@ -31,8 +31,8 @@ class STT(ModelReplica):
         replica = serve.get_replica_context().replica_id.unique_id
         self.svc = STTService(self.engine, self.thread, replica=replica)
 
-    async def open(self, sid: str) -> str | None:
-        return await self.svc.open(sid)
+    async def open(self, sid: str, language: str | None = None) -> str | None:
+        return await self.svc.open(sid, language)
 
     async def push(self, sid: str, pcm: np.ndarray) -> list[dict]:
         return await self.svc.push(sid, pcm)

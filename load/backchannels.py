@@ -58,9 +58,9 @@ class Oracle:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    async def stt_open(self, sid):
+    async def stt_open(self, sid, language=None):
         self.heard[sid] = 0
-        return await self.inner.stt_open(sid)
+        return await self.inner.stt_open(sid, language)
 
     async def stt_push(self, sid, pcm):
         events = [ev for ev in await self.inner.stt_push(sid, pcm) if ev["kind"] not in ("partial", "endpoint")]

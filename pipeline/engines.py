@@ -120,7 +120,7 @@ class Backends(Protocol):
 
     # Any call may raise EngineUnavailable; stt_push and stt_finish raise UnknownStream.
     @abstractmethod
-    async def stt_open(self, sid: str) -> None: ...  # raises NoFreeSlot; reopening an open sid restarts it
+    async def stt_open(self, sid: str, language: str | None = None) -> None: ...  # raises NoFreeSlot; reopening an open sid restarts it; language: None = the recogniser's default
     @abstractmethod
     async def stt_push(self, sid: str, pcm: np.ndarray) -> list[dict]: ...  # [{"kind","text"}]
     @abstractmethod

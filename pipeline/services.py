@@ -74,8 +74,9 @@ class STTService:
         self._finals: dict[str, "STTEvent"] = {}  # an ended stream's final event, until finish takes it
         self._step_lock = asyncio.Lock()
 
-    async def open(self, sid: str) -> str | None:
-        """Take a slot for a spoken turn; returns None, or the reason it could not."""
+    async def open(self, sid: str, language: str | None = None) -> str | None:
+        """Take a slot for a spoken turn heard as ``language`` (None: the model's default); returns
+        None, or the reason it could not. A language the model does not speak raises ValueError."""
         if sid in self._outbox:
             await self.close(sid)
         # Noted before the engine call: an open whose caller gave up (cancelled midway, after the
@@ -83,7 +84,7 @@ class STTService:
         self._last_call[sid] = time.monotonic()
         for retry in (False, True):  # once more after closing abandoned streams, if there were any
             try:
-                await self.thread.run(self.engine.open, sid)
+                await self.thread.run(self.engine.open, sid, language)
                 break
             except NoFreeSlot as exc:
                 if retry or not await self._close_stale():
@@ -367,8 +368,8 @@ class LocalBackends(Backends):
             services.append(svc(thread.call(load, {"stt": stt_cfg, "llm": llm_cfg, "tts": tts_cfg}[name]), thread))
         return cls(*services)
 
-    async def stt_open(self, sid: str) -> None:
-        reason = await self.stt.open(sid)
+    async def stt_open(self, sid: str, language: str | None = None) -> None:
+        reason = await self.stt.open(sid, language)
         if reason:
             raise NoFreeSlot(reason)
 

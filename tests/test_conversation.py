@@ -42,7 +42,7 @@ class Engines:
     async def tts_encode(self, pcm, rate=USER_RATE):
         return np.zeros((1, 32), np.int64)
 
-    async def stt_open(self, sid):
+    async def stt_open(self, sid, language=None):
         pass
 
     async def stt_push(self, sid, pcm):

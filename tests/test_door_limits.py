@@ -89,7 +89,7 @@ class EncodeBackends(FakeBackends):
         self.started = 0
         self.release = asyncio.Event()
 
-    async def stt_open(self, sid):
+    async def stt_open(self, sid, language=None):
         return None
 
     async def stt_push(self, sid, pcm):

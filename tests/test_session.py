@@ -565,9 +565,9 @@ def test_server_busy_over_max_sessions(backends):
     spy = SpyBackends(backends)
     opened: list[str] = []
 
-    async def stt_open(sid):
+    async def stt_open(sid, language=None):
         opened.append(sid)
-        await backends.stt_open(sid)
+        await backends.stt_open(sid, language)
 
     spy.stt_open = stt_open
 

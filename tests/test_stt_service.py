@@ -28,7 +28,7 @@ class StubEngine:
     def active_streams(self) -> list[str]:
         return list(self._fed)
 
-    def open(self, sid: str) -> None:
+    def open(self, sid: str, language=None) -> None:
         if sid in self._fed:
             raise ValueError(f"{sid} is already open")
         if len(self._fed) >= self.num_slots:

@@ -567,9 +567,9 @@ class Overheard:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    async def stt_open(self, sid):
+    async def stt_open(self, sid, language=None):
         self.partials[sid] = ""
-        return await self.inner.stt_open(sid)
+        return await self.inner.stt_open(sid, language)
 
     async def stt_push(self, sid, pcm):
         events = await self.inner.stt_push(sid, pcm)

@@ -15,6 +15,7 @@ from typing import Any, Collection
 
 import jsonschema
 
+from pipeline.conversation.language import LanguageRefused, LanguageSupport
 from pipeline.engines import Sampling, Segment, Voice
 
 MAX_INSTRUCTIONS_CHARS = 16_000
@@ -27,6 +28,7 @@ MAX_SCHEMA_DEPTH = 10  # nesting of a tool's parameters (objects and arrays with
 MODALITIES = (("audio",), ("text",))  # a reply always has text; "audio" adds its speech
 TOOL_CHOICES = ("auto", "none", "required")
 DEFAULT_VOICE = "default"
+MAX_LANGUAGE_CHARS = 35  # a BCP 47 tag's practical length
 
 
 class BadSetting(ValueError):
@@ -50,6 +52,7 @@ class AgentSettings:
     tool_choice: str | dict = "auto"
     tool_filler: str | None = None  # said while a tool call's result is awaited (e.g. "One moment.")
     tool_filler_after_ms: float = 700.0  # ... once it has been awaited this long
+    language: str | None = None  # what the recogniser listens for and the voice speaks; None: the server's default
 
     @property
     def speaks(self) -> bool:
@@ -73,9 +76,11 @@ class AgentSettings:
         """The LLM's messages: the instructions (if set) as the system message, then the history."""
         return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
 
-    def updated(self, changes: dict[str, Any], voices: Collection[str]) -> "AgentSettings":
+    def updated(self, changes: dict[str, Any], voices: Collection[str],
+                languages: LanguageSupport = LanguageSupport()) -> "AgentSettings":
         """These settings with ``changes`` (field name -> value) applied, every value checked
-        first; raises :class:`BadSetting` naming the first bad one, and changes nothing then."""
+        first (a language against what ``languages`` hears and the voice speaks); raises
+        :class:`BadSetting` naming the first bad one, and changes nothing then."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             name = sorted(unknown)[0]
@@ -89,6 +94,11 @@ class AgentSettings:
                                             f"the tools {[t['name'] for t in agent.tools]}")
         if agent.tool_choice == "required" and not agent.tools:
             raise BadSetting("tool_choice", "tool_choice \"required\" needs tools")
+        if "language" in checked or "voice" in checked:
+            try:
+                languages.check(agent.language, agent.voice)
+            except LanguageRefused as exc:
+                raise BadSetting("language" if "language" in checked else "voice", str(exc)) from None
         return agent
 
     def describe(self) -> dict[str, Any]:
@@ -99,7 +109,7 @@ class AgentSettings:
                 "temperature": self.temperature, "max_output_tokens": self.max_output_tokens,
                 "output_modalities": list(self.modalities), "tools": list(self.tools),
                 "tool_choice": self.tool_choice, "tool_filler": self.tool_filler,
-                "tool_filler_after_ms": self.tool_filler_after_ms}
+                "tool_filler_after_ms": self.tool_filler_after_ms, "language": self.language}
 
 
 def _instructions(name: str, value: Any, _voices) -> str | None:
@@ -117,6 +127,14 @@ def _voice(name: str, value: Any, voices: Collection[str]) -> str:
         raise BadSetting(name, f"{name} must be a string, got {type(value).__name__}")
     if value not in voices:
         raise BadSetting(name, f"unknown voice {value!r}; this server has {sorted(voices)}")
+    return value
+
+
+def _language(name: str, value: Any, _voices) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_LANGUAGE_CHARS:
+        raise BadSetting(name, f"{name} must be a language code such as 'en' or 'fr', or null; got {value!r}")
     return value
 
 
@@ -220,4 +238,5 @@ def _filler_after(name: str, value: Any, _voices) -> float:
 
 _CHECKS = {"instructions": _instructions, "voice": _voice, "voice_reference": _reference,
            "temperature": _temperature, "max_output_tokens": _max_output_tokens, "modalities": _modalities,
-           "tools": _tools, "tool_choice": _tool_choice, "tool_filler": _filler, "tool_filler_after_ms": _filler_after}
+           "tools": _tools, "tool_choice": _tool_choice, "tool_filler": _filler, "tool_filler_after_ms": _filler_after,
+           "language": _language}

@@ -26,10 +26,10 @@ class Configurator:
         applies. A new voice starts the bot's side of the TTS context afresh."""
         s, changes = self.shared, dict(agent or {})
         cfg = dataclasses.replace(s.cfg, **turn_taking) if turn_taking else s.cfg
-        settings = s.agent.updated(changes, s.voices)
+        settings = s.agent.updated(changes, s.voices, s.languages)
         if voice_clip is not None:
             changes["voice_reference"] = await self._encode_clip(voice_clip)
-            settings = s.agent.updated(changes, s.voices)
+            settings = s.agent.updated(changes, s.voices, s.languages)
         self.turns.configure(cfg)
         s.cfg = cfg
         s.history.max_chars = cfg.max_history_chars  # applies from the next item added

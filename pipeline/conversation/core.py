@@ -34,6 +34,7 @@ from pipeline.conversation.events import (CallOver, Emit, Event, PlaybackCut, Re
 from pipeline.conversation.history import History, new_id
 from pipeline.conversation.items import Items
 from pipeline.conversation.keypad import Keypad
+from pipeline.conversation.language import LanguageSupport
 from pipeline.conversation.call_record import CallRecord
 from pipeline.conversation.observer import Observer, Observers
 from pipeline.conversation.playback import Ending, Playback
@@ -57,7 +58,8 @@ class Conversation:
     def __init__(self, emit: Emit, backends: Backends, cfg: SessionConfig | None = None, session_id: str | None = None,
                  smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
                  clock: Callable[[], float] = time.monotonic, observer: Observer | None = None,
-                 wake: asyncio.Event | None = None, holds_playback: bool = False, client_pauses: bool = True):
+                 wake: asyncio.Event | None = None, holds_playback: bool = False, client_pauses: bool = True,
+                 languages: LanguageSupport | None = None):
         cfg = cfg or SessionConfig()
         self.id = session_id or new_id("sess")
         self.changed = asyncio.Event()  # what a resumed conversation would start from changed
@@ -68,9 +70,10 @@ class Conversation:
         self.shared = s = Shared(self.id, backends, self._emit, Observers(observer or Observer(), self.record),
                                  clock, voices, cfg,
                                  History(max_chars=cfg.max_history_chars, on_change=self.changed.set),
-                                 VoiceContext(backends, cfg_now, self.changed.set, self.id), changed=self.changed)
+                                 VoiceContext(backends, cfg_now, self.changed.set, self.id), changed=self.changed,
+                                 languages=languages or LanguageSupport())
         self.turns = TurnTaker(backends, self.id, cfg_now, clock, s.emit, s.error, smart_turn, s.observer.smart_turn,
-                               s.observer.stt_final)
+                               s.observer.stt_final, lambda: self.shared.agent.language)
         self.tools = ToolFlow(s)
         self.speculator = Speculator(s, lambda: self.turns.recogniser)
         self.replies = Replies(s, self.tools, self.speculator, lambda: self.turns.ears, self.wake)

@@ -82,10 +82,11 @@ class TurnTaker:
     def __init__(self, backends: Backends, stream_id: str, cfg_now: Callable[[], SessionConfig],
                  clock: Callable[[], float], emit: Emit, error: Callable[[str, str], Awaitable[None]],
                  smart_turn=None, observe_smart_turn: Callable[[float], None] = lambda s: None,
-                 observe_stt_final: Callable[[float], None] = lambda s: None):
+                 observe_stt_final: Callable[[float], None] = lambda s: None,
+                 language_now: Callable[[], str | None] = lambda: None):
         self.cfg_now, self.clock, self.emit, self.error = cfg_now, clock, emit, error
         cfg = cfg_now()
-        self.recogniser = Recogniser(backends, stream_id, cfg_now, clock, error)
+        self.recogniser = Recogniser(backends, stream_id, cfg_now, clock, error, language_now)
         self.smart_turn = smart_turn
         self.observe_smart_turn, self.observe_stt_final = observe_smart_turn, observe_stt_final
         self.ears: Listener | None = None

@@ -18,6 +18,9 @@ class STTConfig:
     # tiny and full: build the multilingual, language-prompted architecture (nemotron-3.5-asr-streaming);
     # real: the multilingual checkpoint is the default model (a checkpoint says itself whether it is)
     multilingual: bool = False
+    # the language codes sessions may choose (checked against the model at start-up); None: the model's
+    # (English: "en"; the tiny multilingual: its dictionary's; the real multilingual: REAL_MULTILINGUAL_CODES)
+    languages: Optional[list[str]] = None
     # [left, lookahead] encoder frames; a model trained with another left context keeps this lookahead
     att_context_size: list[int] = field(default_factory=lambda: [70, 13])
     num_slots: int = 8
@@ -63,6 +66,16 @@ class STTConfig:
     def real(cls, **kw) -> "STTConfig":
         return cls(profile="real", **kw)
 
+    def heard(self) -> tuple[str, ...]:
+        """The language codes a session may ask this recogniser for (known before it loads)."""
+        from pipeline.stt.languages import ENGLISH_ONLY, REAL_MULTILINGUAL_CODES, TINY_PROMPTS
+
+        if self.languages is not None:
+            return tuple(self.languages)
+        if not self.multilingual:
+            return (ENGLISH_ONLY,)
+        return REAL_MULTILINGUAL_CODES if self.profile == "real" else tuple(sorted(TINY_PROMPTS))
+
     def __post_init__(self) -> None:
         if self.profile not in ("tiny", "full", "real"):
             raise ValueError(f"STTConfig.profile must be 'tiny', 'full' or 'real', got {self.profile!r}")
@@ -75,5 +88,8 @@ class STTConfig:
         if self.decoder not in ("label_loop", "frame_loop"):
             raise ValueError(f"STTConfig.decoder must be 'label_loop' or 'frame_loop', got {self.decoder!r}")
         self.att_context_size = [int(x) for x in self.att_context_size]
+        if self.languages is not None and (not isinstance(self.languages, (list, tuple)) or not self.languages
+                                           or not all(isinstance(c, str) and c for c in self.languages)):
+            raise ValueError(f"STTConfig.languages must be a non-empty list of language codes, got {self.languages!r}")
         if self.num_slots < 1:
             raise ValueError("STTConfig.num_slots must be >= 1")

@@ -58,6 +58,7 @@ class STTEngine:
         self.enc, self.preprocessor, self.tokenizer = model.encoder, model.preprocessor, model.tokenizer
         self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
         self.languages = Languages.of(model)  # what it speaks; a language-prompted model's prompt per slot
+        self.languages.check_offered(cfg.heard())
         self._features = ChunkFeatures(model.preprocessor)
         fast_pre = cfg.fast_subsampling and CausalDwStriding.supports(self.enc.pre_encode)
         self._fast_pre = CausalDwStriding(self.enc.pre_encode) if fast_pre else None

@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The multilingual nemotron's prompt: 128 one-hot language slots, codes at the published model's indices
+# (a subset: the tiny tokenizer's four languages, and "auto", the model's own detection).
+TINY_PROMPTS = {"en-US": 0, "en": 0, "es-ES": 2, "es": 3, "fr": 8, "fr-FR": 8, "de": 9, "de-DE": 9, "auto": 101}
+# What sessions may ask of the real multilingual checkpoint unless STTConfig.languages says otherwise:
+# codes of its published prompt dictionary as reported (checked against the checkpoint at start-up).
+REAL_MULTILINGUAL_CODES = ("auto", "ar", "de", "en", "en-GB", "en-US", "es", "es-ES", "fr", "hi", "it", "ja",
+                           "ko", "pt", "pt-BR", "ru", "zh-CN", "zh-TW")
 TAG = re.compile(r"^<[a-z]{2}-[A-Z]{2}>$")  # NeMo's own pattern of a language tag (rnnt_decoding.py)
 ENGLISH_ONLY = "en"
 
@@ -61,6 +68,18 @@ class Languages:
             if code in known:
                 return code
         raise ValueError(f"the recogniser does not speak {language!r}; it speaks {list(known)}")
+
+    def check_offered(self, codes: tuple[str, ...]) -> None:
+        """ValueError (at start-up) when sessions are offered a code this model does not speak."""
+        unknown = []
+        for code in codes:
+            try:
+                self.resolve(code)
+            except ValueError:
+                unknown.append(code)
+        if unknown:
+            raise ValueError(f"STTConfig.languages offers {unknown}, which this recogniser does not speak; "
+                             f"it speaks {list(self.codes)}")
 
     def index(self, language: str | None) -> int:
         """The prompt index of ``language`` (0 for an English-only model, which takes none)."""

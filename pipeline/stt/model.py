@@ -16,6 +16,7 @@ from pipeline.stt.calibration import (
 )
 from pipeline.stt.config import LOOKAHEADS, STTConfig
 from pipeline.stt.framing import context_size
+from pipeline.stt.languages import TINY_PROMPTS
 from pipeline.stt.tiny_tokenizer import tiny_tokenizer_dir
 
 
@@ -94,9 +95,6 @@ def tiny_model_config(tokenizer_dir: str, d_model: int = 64, n_layers: int = 2, 
     )
 
 
-# The multilingual nemotron's prompt: 128 one-hot language slots, codes at the published model's indices
-# (a subset: the tiny tokenizer's four languages, and "auto", the model's own detection).
-TINY_PROMPTS = {"en-US": 0, "en": 0, "es-ES": 2, "es": 3, "fr": 8, "fr-FR": 8, "de": 9, "de-DE": 9, "auto": 101}
 MULTILINGUAL_LOOKAHEADS = ([56, 3], [56, 0], [56, 6], [56, 13])  # its chunks: 320, 80, 560, 1120 ms
 
 

@@ -9,6 +9,8 @@ from pipeline.tts.prompt import USER_SPEAKER
 # "default" voice unless voice_aliases says otherwise, so such a client starts without an error.
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
 
+# CSM-1B was trained on English; a voice says otherwise with its own `languages`.
+CSM_LANGUAGES = ("en",)
 
 @dataclass
 class TTSConfig:
@@ -87,9 +89,12 @@ class TTSConfig:
             raise ValueError("TTSConfig: frame_graphs and compile both capture the frame step; choose one "
                              "(compile on CUDA already replays CUDA graphs)")
         for name, spec in self.voice_specs().items():
-            unknown = set(spec) - {"speaker", "clip", "text"}
+            unknown = set(spec) - {"speaker", "clip", "text", "languages"}
             if unknown:
-                raise ValueError(f"voice {name!r}: unknown keys {sorted(unknown)} (speaker, clip, text)")
+                raise ValueError(f"voice {name!r}: unknown keys {sorted(unknown)} (speaker, clip, text, languages)")
+            langs = spec.get("languages", CSM_LANGUAGES)
+            if not isinstance(langs, (list, tuple)) or not langs or not all(isinstance(c, str) and c for c in langs):
+                raise ValueError(f"voice {name!r}: languages must be a non-empty list of codes, got {langs!r}")
             speaker = spec.get("speaker", 0)
             if isinstance(speaker, bool) or not isinstance(speaker, int) or speaker < 0 or speaker == USER_SPEAKER:
                 raise ValueError(f"voice {name!r}: speaker must be a CSM speaker id >= 0 other than "
@@ -108,6 +113,12 @@ class TTSConfig:
         if self.voice_aliases is not None:
             return dict(self.voice_aliases)
         return {name: "default" for name in OPENAI_VOICES if name not in self.voices}
+
+    def voice_languages(self) -> dict[str, tuple[str, ...]]:
+        """The languages each voice a session may name speaks (an alias: its voice's); unset: CSM's English."""
+        specs = self.voice_specs()
+        own = {name: tuple(spec.get("languages", CSM_LANGUAGES)) for name, spec in specs.items()}
+        return {**own, **{alias: own[target] for alias, target in self.aliases().items()}}
 
     def voice_names(self) -> tuple[str, ...]:
         """What a session may name as its voice."""

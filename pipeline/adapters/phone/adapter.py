@@ -34,6 +34,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from pipeline.wire import CloseConnection, WireSession
+from pipeline.conversation.language import LanguageSupport
 from pipeline.conversation.agent import DEFAULT_VOICE, BadSetting
 from pipeline.audio_constants import REPLY_RATE
 from pipeline.adapters.audio_formats import Decoder, Encoder
@@ -147,12 +148,13 @@ class PhoneSession(WireSession):
     def __init__(self, send: Callable[[str], Awaitable[None]], backends: Backends, cfg: SessionConfig | None = None,
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
                  observer: Observer | None = None, provider: str = "twilio", call: CallStart | None = None,
-                 phone: PhoneConfig | None = None, calls: CallControl | None = None):
+                 phone: PhoneConfig | None = None, calls: CallControl | None = None,
+                 languages: LanguageSupport | None = None):
         super().__init__(send, observer)
         if call is None:
             raise ValueError("a PhoneSession serves a started call: serve_call reads its start first")
         self.dialect = DIALECTS[provider]
-        self.core = self.conversation(backends, cfg, session_id, smart_turn, voices, _monotonic)
+        self.core = self.conversation(backends, cfg, session_id, smart_turn, voices, _monotonic, languages=languages)
         self.phone = phone or PhoneConfig()
         self.tools = CallTools(self.core.do, self.phone, calls, self.deadline_changed.set, self.observer)
         self.call = call
@@ -216,14 +218,14 @@ class PhoneSession(WireSession):
 
     async def _answer_as(self, parameters: dict[str, str]) -> None:
         """The call's agent: the one its ``agent`` parameter names (else the default), its
-        ``instructions`` and ``voice`` parameters over it."""
+        ``instructions``, ``voice`` and ``language`` parameters over it."""
         name = parameters.get("agent")
         try:
             agent = self.tools.agent = self.phone.agent(name)
         except KeyError:
             raise StreamError(f"the call names agent {name!r}, which this server does not have") from None
         changes = agent.agent_changes()
-        changes.update({k: parameters[k] for k in ("instructions", "voice") if k in parameters})
+        changes.update({k: parameters[k] for k in ("instructions", "voice", "language") if k in parameters})
         try:
             await self.core.do(C.Configure(turn_taking=agent.turn_taking_changes(), agent=changes,
                                            greet=agent.speaks_first))

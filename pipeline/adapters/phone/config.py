@@ -37,6 +37,9 @@ class PhoneAgent:
     # Speech over a reply pauses it, and it resumes if the speech was no turn (a backchannel, a
     # noise): SessionConfig.resume_false_interruption; unset: the server's.
     resume_false_interruption: bool | None = None
+    # The call's language (AgentSettings.language: what the recogniser hears, the voice must speak it);
+    # unset: the server's. A call's "language" parameter may choose another.
+    language: str | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.tools) - set(CALL_TOOLS)
@@ -73,6 +76,8 @@ class PhoneAgent:
             out["instructions"] = self.instructions
         if self.voice is not None:
             out["voice"] = self.voice
+        if self.language is not None:
+            out["language"] = self.language
         if self.tools:
             out["tools"] = tool_schemas(self.tools, self.transfer_to)
             out["tool_choice"] = self.tool_choice

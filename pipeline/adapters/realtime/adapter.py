@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from pipeline.wire import WireSession
+from pipeline.conversation.language import LanguageSupport
 from pipeline.conversation.agent import DEFAULT_VOICE, AgentSettings, BadSetting
 from pipeline.audio_constants import CODEC_FRAME_S, USER_RATE
 from pipeline.adapters.audio_formats import Decoder, Encoder
@@ -41,7 +42,8 @@ from pipeline.session_config import SessionConfig
 AGENT_PARAMS = {"instructions": "session.instructions", "voice": "session.audio.output.voice",
                 "modalities": "session.output_modalities", "max_output_tokens": "session.max_output_tokens",
                 "temperature": "session.temperature", "tools": "session.tools", "tool_choice": "session.tool_choice",
-                "voice_clip": "session.audio.output.voice_clip"}
+                "voice_clip": "session.audio.output.voice_clip",
+                "language": "session.audio.input.transcription.language"}
 
 
 def _monotonic() -> float:
@@ -56,12 +58,13 @@ def refusal(exc: ClientEventError | Refusal | BadSetting) -> tuple[str, str, str
     return exc.code, exc.message, AGENT_PARAMS.get(exc.param, exc.param)
 
 
-def check_opening_session(session: Any, server: SessionConfig, voices: tuple[str, ...]) -> dict:
+def check_opening_session(session: Any, server: SessionConfig, voices: tuple[str, ...],
+                          languages: LanguageSupport | None = None) -> dict:
     """The session object a call is made with (a WebRTC offer's ``session`` part, a client
     secret's), checked as ``session.update`` checks it, before anything exists for the call;
     returns its known part. Raises BadSetting or ClientEventError (:func:`refusal` words them)."""
     _, terms, clip = session_object.read(session, session_object.initial("sess", "gapless", server), server)
-    AgentSettings().updated(terms.agent, voices)
+    AgentSettings().updated(terms.agent, voices, languages or LanguageSupport())
     if clip is not None:
         R.voice_clip(clip)
     return session_object.known(session)

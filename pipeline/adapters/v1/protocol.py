@@ -27,7 +27,8 @@ MAX_VOICE_CLIP_BYTES = REPLY_RATE * 2  # voice.clip audio: int16 mono at REPLY_R
 # v1 names of the agent settings (session.update, a turn's ``response``) -> pipeline.conversation.agent.AgentSettings fields
 SETTINGS = {"instructions": "instructions", "voice": "voice", "temperature": "temperature",
             "max_output_tokens": "max_output_tokens", "output_modalities": "modalities", "tools": "tools",
-            "tool_choice": "tool_choice", "tool_filler": "tool_filler", "tool_filler_after_ms": "tool_filler_after_ms"}
+            "tool_choice": "tool_choice", "tool_filler": "tool_filler", "tool_filler_after_ms": "tool_filler_after_ms",
+            "language": "language"}
 # Largest frame we read at all: one second of audio plus msgpack overhead, with room to spare.
 MAX_FRAME_BYTES = 64 * 1024
 # Largest WebSocket message the server's proxy reads at all, on any route (v1 frames over
@@ -180,10 +181,12 @@ def pack(msg: dict) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def session_ready(session_id: str, resume: dict | None = None, voices: tuple[str, ...] | None = None) -> dict:
+def session_ready(session_id: str, resume: dict | None = None, voices: tuple[str, ...] | None = None,
+                  languages: dict | None = None) -> dict:
     """``resume`` (v1 extension, where the server keeps sessions resumable): ``resume_token``,
     ``resume_window_s``, and on a resumed session ``resumed: true`` and ``turn`` (its last turn).
-    ``voices`` (v1 extension): the voice names a session may choose."""
+    ``voices`` (v1 extension): the voice names a session may choose. ``languages`` (v1 extension):
+    ``languages`` (the codes the recogniser hears) and ``voice_languages`` (voice -> its languages)."""
     return {
         "type": "session.ready",
         "session_id": session_id,
@@ -191,6 +194,7 @@ def session_ready(session_id: str, resume: dict | None = None, voices: tuple[str
         "output_sample_rate": REPLY_RATE,
         "protocol_version": PROTOCOL_VERSION,
         **({"voices": list(voices)} if voices else {}),
+        **(languages or {}),
         **(resume or {}),
     }
 

@@ -56,11 +56,15 @@ class UserTurn:
 
 class Recogniser:
     """One conversation's side of the STT engine: the stream ``stream_id`` for each spoken turn.
-    ``cfg_now()`` is the conversation's SessionConfig now; ``error(code, message)`` tells the client."""
+    ``cfg_now()`` is the conversation's SessionConfig now; ``error(code, message)`` tells the client;
+    ``language_now()`` is the session's language now (None: the recogniser's default), heard from
+    the next spoken turn on."""
 
     def __init__(self, backends: Backends, stream_id: str, cfg_now: Callable[[], SessionConfig],
-                 clock: Callable[[], float], error: Callable[[str, str], Awaitable[None]]):
+                 clock: Callable[[], float], error: Callable[[str, str], Awaitable[None]],
+                 language_now: Callable[[], str | None] = lambda: None):
         self.backends, self.stream_id, self.cfg_now, self.clock, self.error = backends, stream_id, cfg_now, clock, error
+        self.language_now = language_now
         self.turn = UserTurn()
         # A slot given up after a failed call (a push or open past engine_timeout_s), being closed
         # on the replica without holding up the session; the next open waits for it (same stream id).
@@ -109,7 +113,7 @@ class Recogniser:
         await self.wait_closed()
         self.turn.holds_slot = True  # set first: if this call is cancelled midway, close() still releases
         try:
-            await self._engine(self.backends.stt_open(self.stream_id))
+            await self._engine(self.backends.stt_open(self.stream_id, self.language_now()))
         except NoFreeSlot as exc:
             await self._lose_slot(E_NO_FREE_SLOT, f"{exc}; this turn's audio is dropped until a slot frees "
                                   "(the session stays open: speak on, speak again later, or type)")
@@ -175,7 +179,7 @@ class Recogniser:
         log.warning("stream %s: the recogniser does not know this turn's stream; restarting it", self.stream_id)
         self.turn.partial = ""
         try:
-            await self._engine(self.backends.stt_open(self.stream_id))
+            await self._engine(self.backends.stt_open(self.stream_id, self.language_now()))
             return await self._engine(self.backends.stt_push(self.stream_id, self.turn.joined_audio()))
         except (NoFreeSlot, UnknownStream) as exc:
             raise EngineUnavailable(f"restarting the turn's stream failed: {exc}") from None
@@ -198,7 +202,7 @@ class Recogniser:
         """Audio recognised whole on a stream of its own (a spoken turn may be open beside it).
         Raises EngineUnavailable (no free slot included)."""
         try:
-            await self._engine(self.backends.stt_open(stream_id))
+            await self._engine(self.backends.stt_open(stream_id, self.language_now()))
         except NoFreeSlot as exc:
             raise EngineUnavailable(f"no recogniser slot is free ({exc})") from None
         try:

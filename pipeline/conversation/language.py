@@ -1,0 +1,57 @@
+"""Which languages a session may choose: the ones the recogniser hears, spoken by the session's voice.
+
+A session's ``language`` (an agent setting) is what its recogniser listens for and what its voice
+must speak; None keeps the server's default (the recogniser's own: English for the English model,
+detection for a multilingual one). A code is matched as the recogniser matches it: itself, or
+its primary subtag ("fr-CA" where only "fr" is known); "auto" asks the recogniser to detect and
+leaves the voice unchecked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+ENGLISH = ("en",)
+AUTO = "auto"
+
+
+class LanguageRefused(ValueError):
+    """A language this server cannot serve, or a voice that does not speak the session's."""
+
+
+def _primary(code: str) -> str:
+    return code.split("-")[0].lower()
+
+
+@dataclass(frozen=True)
+class LanguageSupport:
+    heard: tuple[str, ...] = ENGLISH  # the recogniser's codes
+    spoken: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # voice -> its languages (absent: English)
+
+    def resolve(self, language: str) -> str:
+        """The recogniser's code for ``language``; LanguageRefused when it does not hear it."""
+        if not isinstance(language, str) or not language:
+            raise LanguageRefused(f"language must be a code such as 'en' or 'fr', got {language!r}")
+        for code in (language, language.split("-")[0]):
+            if code in self.heard:
+                return code
+        raise LanguageRefused(f"language {language!r} is not heard here; the recogniser hears {list(self.heard)}")
+
+    def voice_languages(self, voice: str) -> tuple[str, ...]:
+        return tuple(self.spoken.get(voice, ENGLISH))
+
+    def check(self, language: str | None, voice: str) -> None:
+        """LanguageRefused unless the recogniser hears ``language`` and ``voice`` speaks it (None: the
+        server's default, always served)."""
+        if language is None:
+            return
+        code = self.resolve(language)
+        speaks = self.voice_languages(voice)
+        if code != AUTO and _primary(code) not in {_primary(s) for s in speaks}:
+            able = sorted(v for v in self.spoken if _primary(code) in {_primary(s) for s in self.spoken[v]})
+            raise LanguageRefused(f"voice {voice!r} speaks {list(speaks)}, not {language!r}; "
+                                  + (f"voices for it: {able}" if able else "no voice here speaks it"))
+
+    def describe(self) -> dict:
+        """What a client reads of it (v1 ``session.ready``)."""
+        return {"languages": list(self.heard), "voice_languages": {v: list(s) for v, s in self.spoken.items()}}
