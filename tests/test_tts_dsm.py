@@ -1,0 +1,84 @@
+"""Kyutai's DSM TTS as a second voice family (pipeline/tts/dsm), tiny, random weights, greedy: many
+streams in one batched step, each with its own voice and words that arrive one at a time, give the
+codes moshi's own ``TTSModel.generate`` gives for that text and voice alone."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeline.tts.dsm.model import load_dsm, tiny_voice
+from pipeline.tts.dsm.slots import DSMSlots
+
+torch.set_num_threads(1)
+A = "Hello there, how are you?"
+B = "Bonjour mon ami, ça va?"
+
+
+@pytest.fixture(scope="module")
+def dsm(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("dsm")
+    tts = load_dsm("tiny", temp=0.0, cache_dir=str(cache))
+    voices = {}
+    for name in ("default", "marie"):
+        voices[name] = cache / f"{name}.safetensors"
+        save_file({"speaker_wavs": tiny_voice(name)}, str(voices[name]))
+    return tts, voices
+
+
+def _alone(tts, voices, text: str, voice: str) -> torch.Tensor:
+    """moshi's own generation of ``text`` in ``voice``: its frames' 32 codes each."""
+    attributes = tts.make_condition_attributes([Path(voices[voice])], 2.0)
+    result = tts.generate([tts.prepare_script([text], padding_between=1)], [attributes])
+    return torch.stack([f[0, 1:, 0] for f in result.frames])
+
+
+def test_streams_joining_late_with_their_own_voice_and_words_one_at_a_time_equal_moshi_alone(dsm):
+    tts, voices = dsm
+    slots = DSMSlots(tts, 3, voices, "default")
+    try:
+        for row in (0, 2):
+            slots.open(row)
+            slots.push(row, A, final=True)  # all the text at once
+        for _ in range(6):  # the others are well under way when row 1 joins
+            slots.step()
+        slots.open(1, "marie")
+        words = B.split(" ")
+        for i, word in enumerate(words):  # a word every 4 steps: slower than the row would take them
+            slots.push(1, word + (" " if i < len(words) - 1 else ""), final=i == len(words) - 1)
+            for _ in range(4):
+                slots.step()
+        while not all(slots.done(r) for r in range(3)):
+            slots.step()
+        rows = [torch.stack(slots.rows[r].frames) for r in range(3)]
+    finally:
+        slots.close_all()
+    ref_b = _alone(tts, voices, B, "marie")
+    ref_a = _alone(tts, voices, A, "default")
+    assert torch.equal(rows[1], ref_b)
+    assert torch.equal(rows[0], ref_a) and torch.equal(rows[2], ref_a)
+    assert not torch.equal(ref_b, _alone(tts, voices, B, "default"))  # the voice changes the codes: a real test
+    assert (ref_b >= 0).all(1).any()  # and some frames carry audio on every codebook
+
+
+def test_a_row_takes_words_only_with_its_lookahead_and_refuses_text_after_its_end(dsm):
+    tts, voices = dsm
+    slots = DSMSlots(tts, 2, voices, "default")
+    try:
+        slots.open(0)
+        slots.push(0, "one two")  # "two" is not whole yet: one word, not more than the lookahead of 2
+        ran = 0
+        while slots.step():  # only the padding every stream starts with (the machine's initial_padding)
+            ran += 1
+        assert ran == tts.machine.initial_padding and not slots.ready(0)
+        slots.push(0, " three four ")
+        assert slots.ready(0)
+        slots.push(0, "", final=True)
+        with pytest.raises(RuntimeError, match="already complete"):
+            slots.push(0, "five")
+        with pytest.raises(KeyError, match="unknown DSM voice 'nobody'"):
+            slots.open(1, "nobody")
+    finally:
+        slots.close_all()
