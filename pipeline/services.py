@@ -44,7 +44,10 @@ def load_llm(cfg):
 
 
 def load_tts(cfg):
-    from pipeline.tts.engine import TTSEngine
+    if cfg.family == "dsm":
+        from pipeline.tts.dsm.engine import DSMEngine as TTSEngine
+    else:
+        from pipeline.tts.engine import TTSEngine
 
     engine = TTSEngine(cfg)
     engine.warmup()

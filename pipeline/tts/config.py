@@ -11,6 +11,8 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "
 
 # CSM-1B was trained on English; a voice says otherwise with its own `languages`.
 CSM_LANGUAGES = ("en",)
+# The DSM's default voice: a kyutai/tts-voices embedding (the one Kyutai's examples use).
+DSM_DEFAULT_VOICE = "expresso/ex03-ex01_happy_001_channel1_334s.wav"
 
 @dataclass
 class TTSConfig:
@@ -22,6 +24,12 @@ class TTSConfig:
     """
 
     profile: str = "tiny"  # "tiny" | "real" | "full" (CSM-1B + Mimi shapes, random weights)
+    # The voice family: "csm" (Sesame CSM-1B: a clause at a time, with the conversation as context) or
+    # "dsm" (Kyutai's delayed-streams TTS, English and French: pipeline/tts/dsm/; tiny and real profiles)
+    family: str = "csm"
+    dsm: str = "kyutai/tts-1.6b-en_fr"  # the DSM checkpoint (real profile)
+    dsm_cfg_coef: float = 2.0  # the DSM's distilled classifier-free guidance (1.0 to 4.0 by 0.5)
+    dsm_padding_between: int = 1  # DSM: pad steps forced between words (clearer articulation)
     csm: str = "sesame/csm-1b"
     mimi: str = "kyutai/moshiko-pytorch-bf16"
     tokenizer: str | None = None  # real profile: defaults to ``csm`` (CSM ships the Llama-3.2 tokenizer)
@@ -88,13 +96,23 @@ class TTSConfig:
         if self.frame_graphs and self.compile:
             raise ValueError("TTSConfig: frame_graphs and compile both capture the frame step; choose one "
                              "(compile on CUDA already replays CUDA graphs)")
+        if self.family not in ("csm", "dsm"):
+            raise ValueError(f"TTSConfig.family must be 'csm' or 'dsm', got {self.family!r}")
+        if self.family == "dsm" and self.profile == "full":
+            raise ValueError("TTSConfig: the dsm family has tiny and real profiles (no full)")
+        keys = ("speaker", "clip", "text", "languages") if self.family == "csm" else ("voice", "languages")
         for name, spec in self.voice_specs().items():
-            unknown = set(spec) - {"speaker", "clip", "text", "languages"}
+            unknown = set(spec) - set(keys)
             if unknown:
-                raise ValueError(f"voice {name!r}: unknown keys {sorted(unknown)} (speaker, clip, text, languages)")
-            langs = spec.get("languages", CSM_LANGUAGES)
+                raise ValueError(f"voice {name!r}: unknown keys {sorted(unknown)} of a {self.family} voice {keys}")
+            langs = spec.get("languages", self.family_languages())
             if not isinstance(langs, (list, tuple)) or not langs or not all(isinstance(c, str) and c for c in langs):
                 raise ValueError(f"voice {name!r}: languages must be a non-empty list of codes, got {langs!r}")
+            if self.family == "dsm":
+                if not isinstance(spec.get("voice"), str) or not spec["voice"]:
+                    raise ValueError(f"voice {name!r}: a dsm voice names its embedding (voice: a kyutai/tts-voices "
+                                     f"name or a .safetensors path)")
+                continue
             speaker = spec.get("speaker", 0)
             if isinstance(speaker, bool) or not isinstance(speaker, int) or speaker < 0 or speaker == USER_SPEAKER:
                 raise ValueError(f"voice {name!r}: speaker must be a CSM speaker id >= 0 other than "
@@ -105,9 +123,16 @@ class TTSConfig:
             if target not in self.voice_specs():
                 raise ValueError(f"voice alias {alias!r} names no voice ({target!r}); voices: {sorted(self.voice_specs())}")
 
+    def family_languages(self) -> tuple[str, ...]:
+        """What the family's model speaks: a voice speaks these unless it says otherwise."""
+        from pipeline.tts.dsm.model import DSM_LANGUAGES
+
+        return CSM_LANGUAGES if self.family == "csm" else DSM_LANGUAGES
+
     def voice_specs(self) -> dict[str, dict]:
         """Every voice by name, "default" included."""
-        return {"default": {"speaker": self.speaker}, **{k: dict(v or {}) for k, v in self.voices.items()}}
+        default = {"speaker": self.speaker} if self.family == "csm" else {"voice": DSM_DEFAULT_VOICE}
+        return {"default": default, **{k: dict(v or {}) for k, v in self.voices.items()}}
 
     def aliases(self) -> dict[str, str]:
         if self.voice_aliases is not None:
@@ -117,7 +142,7 @@ class TTSConfig:
     def voice_languages(self) -> dict[str, tuple[str, ...]]:
         """The languages each voice a session may name speaks (an alias: its voice's); unset: CSM's English."""
         specs = self.voice_specs()
-        own = {name: tuple(spec.get("languages", CSM_LANGUAGES)) for name, spec in specs.items()}
+        own = {name: tuple(spec.get("languages", self.family_languages())) for name, spec in specs.items()}
         return {**own, **{alias: own[target] for alias, target in self.aliases().items()}}
 
     def voice_names(self) -> tuple[str, ...]:

@@ -1,0 +1,191 @@
+"""The DSM family behind the TTS engine contract ``TTSService`` steps (``pipeline/services.py``): the
+same ``stream`` / ``step`` / ``cancel`` and :class:`~pipeline.tts.stream.TTSStream` chunks as CSM's
+engine, over :class:`~pipeline.tts.dsm.slots.DSMSlots` and one batched Mimi decode per step.
+
+A stream takes a free row when one is free (else it waits, first come first served), with its
+voice; its clause goes in whole. Each step runs the rows that can go on, and decodes in one Mimi
+call the frames that carry audio on every codebook (the first ~19 of a stream are the text's lead
+on the audio). A stream ends when its row has made every frame of its text. DSM takes no context
+of the conversation, and no voice clip of a session: its voices are speaker embeddings.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.engines import EngineBusy
+from pipeline.tts.clip_encoder import ClipEncoder, mimi_encode, mimi_encode_piece
+from pipeline.tts.config import TTSConfig
+from pipeline.tts.dsm.model import DSM_VOICE_REPO, load_dsm, tiny_voice
+from pipeline.tts.dsm.slots import DSMSlots
+from pipeline.tts.mimi import SlotDecoder, to_int16
+from pipeline.tts.stream import TTSStream
+
+MAX_STEPS = 3000  # a stream's steps at most (4 min of speech): a bound whatever the model does
+
+
+@dataclass(frozen=True)
+class DSMVoiceProfile:
+    speaker: str  # the voice's name (DSMSlots knows its embedding)
+    reference: None = None
+
+
+class DSMVoices:
+    """The contract's voice lookup: a name -> its profile; no context, no clips."""
+
+    def __init__(self, names):
+        self.names = tuple(names)
+
+    def voice(self, name: str = "default", reference=None) -> DSMVoiceProfile:
+        if reference is not None:
+            raise ValueError("a DSM voice takes no voice clip: its voices are speaker embeddings (tts.voices)")
+        if name not in self.names:
+            raise KeyError(f"unknown voice {name!r}; voices: {list(self.names)}")
+        return DSMVoiceProfile(name)
+
+    @staticmethod
+    def context(profile, context) -> list:
+        return []  # DSM speaks each text on its own
+
+
+def voice_files(cfg: TTSConfig, tts) -> dict[str, Path]:
+    """Each configured voice's embedding file: the real voices from kyutai/tts-voices (in the local
+    cache) or a path; the tiny profile's are random embeddings written once per name."""
+    out = {}
+    for name, spec in cfg.voice_specs().items():
+        ref = spec["voice"]
+        if ref.endswith(".safetensors") and os.path.exists(ref):
+            out[name] = Path(ref)
+        elif cfg.profile == "tiny":
+            from safetensors.torch import save_file
+
+            folder = Path(os.path.expanduser("~")) / ".cache" / "gapless" / "dsm-tiny" / "voices"
+            folder.mkdir(parents=True, exist_ok=True)
+            out[name] = folder / f"{hashlib.sha1(ref.encode()).hexdigest()[:16]}.safetensors"
+            if not out[name].exists():
+                save_file({"speaker_wavs": tiny_voice(ref)}, str(out[name]))
+        else:
+            from pipeline.runtime.weights import require_pretrained
+
+            require_pretrained(DSM_VOICE_REPO, what="TTS voice", allow_patterns=[ref + "*"])
+            out[name] = tts.get_voice_path(ref)
+    return out
+
+
+class DSMEngine:
+    sample_rate = 24_000
+    num_codebooks = 32
+
+    def __init__(self, cfg: TTSConfig):
+        self.cfg, self.num_slots = cfg, cfg.num_slots
+        self.device = torch.device(cfg.device)
+        self.tts = load_dsm(cfg.profile, cfg.device, getattr(torch, cfg.dtype), temp=max(cfg.temperature, 0.0),
+                            seed=cfg.seed)
+        specs = voice_files(cfg, self.tts)
+        aliases = {alias: specs[target] for alias, target in cfg.aliases().items()}
+        self.slots = DSMSlots(self.tts, cfg.num_slots, {**specs, **aliases}, "default",
+                              cfg.dsm_cfg_coef, cfg.dsm_padding_between)
+        self.voices = DSMVoices(self.slots.voices)
+        self.mimi = self.tts.mimi
+        self.decoder = SlotDecoder(self.mimi, cfg.num_slots)
+        self.encoder = ClipEncoder(self.mimi, functools.partial(mimi_encode, self.mimi),
+                                   functools.partial(mimi_encode_piece, self.mimi), cfg.encode_buckets,
+                                   self.num_codebooks, self.device)
+        self._rows: list[TTSStream | None] = [None] * cfg.num_slots
+        self._waiting: deque[TTSStream] = deque()
+        self._codes = torch.zeros(cfg.num_slots, self.num_codebooks, 1, dtype=torch.long, device=self.device)
+
+    # -- the contract's bookkeeping ---------------------------------------------------------------
+    @property
+    def active_requests(self) -> int:
+        return self.busy_slots + len(self._waiting)
+
+    @property
+    def busy_slots(self) -> int:
+        return sum(s is not None for s in self._rows)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or self.busy_slots > 0
+
+    def stats(self) -> dict[str, int]:
+        return {"unseen_shape_calls": 0, "slow_calls": 0}  # nothing compiled: every step is the one shape
+
+    def stream(self, text: str, context=None, speaker: str | None = None, reference=None, **_) -> TTSStream:
+        """Queue ``text`` in voice ``speaker`` (a name; None: the default); it takes a row at a later step."""
+        self.voices.voice(speaker or "default", reference)
+        if len(self._waiting) >= self.cfg.max_waiting:
+            raise EngineBusy(f"all {self.num_slots} TTS slots are busy and {len(self._waiting)} streams wait")
+        s = TTSStream(self, None, None, MAX_STEPS, 0, self.cfg.temperature)
+        s.text, s.voice = text, speaker or "default"
+        self._waiting.append(s)
+        return s
+
+    def cancel(self, s: TTSStream) -> None:
+        if s.closed:
+            return
+        s.closed = s.finished = True
+        if s.row is not None:
+            self._release(s)
+        elif s in self._waiting:
+            self._waiting.remove(s)
+
+    # -- the step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[TTSStream]:
+        """Free rows to the waiting streams, then one step of every row that can go on, its audio
+        decoded in one Mimi call. Returns the streams that advanced."""
+        self._admit()
+        ran = self.slots.step()
+        if not ran:
+            return []
+        audible = torch.zeros(self.num_slots, dtype=torch.bool)
+        for r in ran:
+            frames = self.slots.rows[r].frames
+            if frames and self.slots.rows[r].steps > self.slots.gen.max_delay and (frames[-1] >= 0).all():
+                self._codes[r, :, 0] = frames[-1]
+                audible[r] = True
+        pcm = to_int16(self.decoder.decode(self._codes, audible.to(self.device))) if audible.any() else None
+        advanced = []
+        for r in ran:
+            s = self._rows[r]
+            if audible[r]:
+                s._add_frame(self._codes[r, :, 0].cpu().numpy().copy(), pcm[r])
+            s.generated = self.slots.rows[r].steps
+            if self.slots.done(r) or self.slots.rows[r].steps >= MAX_STEPS:
+                s._publish()
+                s.finished = True
+                self._release(s)
+            advanced.append(s)
+        return advanced
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._rows:
+            s = self._waiting.popleft()
+            r = self._rows.index(None)
+            self.slots.open(r, s.voice)
+            self.slots.push(r, s.text, final=True)
+            reset = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+            reset[r] = True
+            self.decoder.reset(reset)
+            self._rows[r], s.row = s, r
+
+    def _release(self, s: TTSStream) -> None:
+        r = s.row
+        if r is None:
+            return
+        self.slots.close(r)
+        self._rows[r], s.row = None, None
+
+    def warmup(self) -> None:
+        """A short utterance through every path (admit, steps, decode, release) and an encode, once."""
+        s = self.stream("Warm up.")
+        while not s.finished:
+            self.step()
+        self.encoder.encode_user_audio(np.zeros(16_000, np.int16))
