@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -82,3 +84,27 @@ def test_a_row_takes_words_only_with_its_lookahead_and_refuses_text_after_its_en
             slots.open(1, "nobody")
     finally:
         slots.close_all()
+
+
+def test_the_engine_queues_streams_past_its_rows_and_a_cancelled_one_frees_its_row():
+    from pipeline.engines import Segment
+    from pipeline.tts.config import TTSConfig
+    from pipeline.tts.dsm.engine import DSMEngine
+
+    engine = DSMEngine(TTSConfig.tiny(family="dsm", num_slots=1, temperature=0.0,
+                                      voices={"marie": {"voice": "cml-tts/fr/2154_2576_000020.wav"}}))
+    first = engine.stream("Bonjour à tous.", speaker="marie")
+    second = engine.stream("Hello again.")
+    engine.step()
+    assert (first.row, second.row, engine.active_requests) == (0, None, 2)  # one row: the second waits
+    engine.cancel(first)
+    while not second.finished:
+        engine.step()
+    chunks = []
+    while (item := second.take()) is not None:
+        chunks.append(item)
+    assert chunks and sum(len(pcm) for pcm, _ in chunks) > 0 and engine.active_requests == 0
+    with pytest.raises(ValueError, match="no voice clip"):
+        engine.stream("Hi.", reference=Segment(0, "clip", np.zeros((3, 32), np.int64)))
+    with pytest.raises(KeyError, match="unknown voice 'nobody'"):
+        engine.stream("Hi.", speaker="nobody")
