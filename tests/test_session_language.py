@@ -123,6 +123,12 @@ def test_a_realtime_session_sets_its_language_through_transcription(engines):
         await send(s, type="input_audio_buffer.append", audio=base64.b64encode(audio24.tobytes()).decode())
         await send(s, type="input_audio_buffer.commit")
         await wire.wait("conversation.item.input_audio_transcription.completed")
+        await send(s, type="response.create")  # answered aloud, by the French voice
+        await wire.wait("response.done")
+        await send(s, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                             "content": [{"type": "input_text", "text": "Et ensuite?"}]})
+        await send(s, type="response.create")
+        await wire.wait("response.done", 2)
         await s.close()
         return wire
 
@@ -133,6 +139,10 @@ def test_a_realtime_session_sets_its_language_through_transcription(engines):
     assert "voice 'default' speaks ['en'], not 'de'" in errors[1]["error"]["message"]
     assert wire.of("session.updated")[-1]["session"]["audio"]["input"]["transcription"]["language"] == "fr-CA"
     assert spy.opened == ["fr-CA"]  # the recogniser hears it as French (its primary subtag)
+    for done in wire.of("response.done"):  # the spoken turn's reply and the typed turn's, both aloud
+        rid = done["response"]["id"]
+        assert sum(len(base64.b64decode(e["delta"])) for e in wire.of("response.output_audio.delta")
+                   if e["response_id"] == rid) > 0.5 * 24_000 * 2, rid
 
 
 def test_a_phone_agent_in_a_language_no_voice_speaks_stops_the_start():
