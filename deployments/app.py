@@ -17,7 +17,7 @@ from deployments.tickets import TicketLedger
 from deployments.tts import TTS
 from pipeline import metrics
 from pipeline.conversation.agent import AgentSettings, BadSetting
-from pipeline.conversation.language import LanguageSupport
+from pipeline.conversation.voice_offer import VoiceOffer
 from pipeline.door.auth import AuthConfig, load_tokens
 from pipeline.llm.config import LLMConfig
 from pipeline.adapters.phone.config import read_phone_section
@@ -86,7 +86,7 @@ def configs(args: AppArgs) -> dict[str, Any]:
                "llm": _engine_config(LLMConfig, args.profile, args.device, _llm_settings(args.llm)),
                "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts)}
     read_session_section(args.session)  # unknown names and bad values (a limit of 0) stop `serve run` here
-    check_phone_agents(read_phone_section(args.phone), engines["tts"].voice_names(), languages_of(engines))
+    check_phone_agents(read_phone_section(args.phone), engines["tts"].voice_names(), offer_of(engines))
     read_webrtc_section(args.webrtc)
     auth_fields = {f.name for f in dataclasses.fields(AuthConfig)}
     unknown = set(args.auth) - auth_fields
@@ -97,17 +97,18 @@ def configs(args: AppArgs) -> dict[str, Any]:
             "webrtc": dict(args.webrtc)}
 
 
-def languages_of(engines: dict[str, Any]) -> LanguageSupport:
-    """What sessions may choose as their language: what the recogniser hears, and each voice's languages."""
-    return LanguageSupport(engines["stt"].heard(), engines["tts"].voice_languages())
+def offer_of(engines: dict[str, Any]) -> VoiceOffer:
+    """What sessions may choose: the languages the recogniser hears and each voice speaks, and voice clips
+    (CSM only)."""
+    return VoiceOffer(engines["stt"].heard(), engines["tts"].voice_languages(), engines["tts"].family == "csm")
 
 
-def check_phone_agents(phone, voices: tuple[str, ...], languages: LanguageSupport) -> None:
+def check_phone_agents(phone, voices: tuple[str, ...], offer: VoiceOffer) -> None:
     """Each phone agent's settings as a call would set them (its voice named, its language heard and
     spoken by that voice): a bad one stops `serve run` here, not at its first call."""
     for name, agent in phone.agents.items():
         try:
-            AgentSettings().updated(agent.agent_changes(), voices, languages)
+            AgentSettings().updated(agent.agent_changes(), voices, offer)
         except BadSetting as exc:
             raise ValueError(f"phone agent {name!r}: {exc.param}: {exc.message}") from None
 
@@ -119,4 +120,4 @@ def build_app(args: dict[str, Any]) -> Application:
     window = read_session_section(cfg["session"])[1].resume_window_s
     return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"],
                         cfg["tts"].voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window),
-                        cfg["phone"], cfg["webrtc"], languages_of(cfg))
+                        cfg["phone"], cfg["webrtc"], offer_of(cfg))

@@ -56,7 +56,8 @@ class RayBackends(Backends):
 
     @_engine_call
     async def stt_open(self, sid: str, language: str | None = None) -> None:
-        reason = await self._stt(sid).open.remote(sid, language)
+        handle = self._stt(sid)  # the language only when set: an STT replica of an older build takes (sid)
+        reason = await (handle.open.remote(sid, language) if language is not None else handle.open.remote(sid))
         if reason:
             raise NoFreeSlot(reason)
 

@@ -24,7 +24,7 @@ from deployments.phone_routes import PhoneRoutes
 from deployments.session_store import RayRecords, RaySnapshots
 from deployments.webrtc_routes import WebRTCRoutes
 from pipeline import metrics
-from pipeline.conversation.language import LanguageSupport
+from pipeline.conversation.voice_offer import VoiceOffer
 from pipeline.adapters.phone.config import read_phone_section
 from pipeline.adapters.realtime.adapter import RealtimeSession
 from pipeline.adapters.v1.adapter import Session
@@ -71,11 +71,11 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
                  auth: dict, voices: tuple[str, ...] = ("default",), tickets: DeploymentHandle | None = None,
                  store: DeploymentHandle | None = None, phone: dict | None = None, webrtc: dict | None = None,
-                 languages: LanguageSupport | None = None):
+                 offer: VoiceOffer | None = None):
         metrics.serve_node_metrics()  # one replica of the node serves its metrics (pipeline/metrics.py)
         self.backends = RayBackends(stt, llm, tts)
         self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
-        self.languages = languages or LanguageSupport()  # what the recogniser hears, and which voice speaks what
+        self.offer = offer or VoiceOffer()  # what the recogniser hears, and which voice speaks what
         self.handles = {"stt": stt, "llm": llm, "tts": tts}
         self.tickets = tickets  # the redeemed-ticket record every gateway replica shares (deployments/tickets.py)
         self.session_cfg, self.limits = read_session_section(dict(session))
@@ -281,7 +281,7 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
                 Resumption(self.continuity, self.gate.auth.principal(hs.headers, hs.query), hs.query)
             await serve_connection(conn, self.backends, cfg, self.sessions, Session, resumption,
                                    metrics.MetricsObserver("v1"), self.recording(hs, "v1"), voices=self.voices,
-                                   languages=self.languages)
+                                   offer=self.offer)
 
         await self._serve_websocket(ws, serve)
 
@@ -293,7 +293,7 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
         async def serve(hs: Handshake, conn: WebSocketConnection) -> None:
             await serve_connection(conn, self.backends, self.session_cfg, self.sessions, RealtimeSession,
                                    observer=metrics.MetricsObserver("realtime"), recording=self.recording(hs, "realtime"),
-                                   voices=self.voices, languages=self.languages, model=hs.query.get("model") or "gapless",
+                                   voices=self.voices, offer=self.offer, model=hs.query.get("model") or "gapless",
                                    beta="realtime=v1" in hs.headers.get("openai-beta", ""))
 
         await self._serve_websocket(ws, serve)

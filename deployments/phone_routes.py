@@ -42,7 +42,7 @@ class PhoneRoutes:
             await serve_call(conn, self.backends, self.session_cfg, self.sessions, provider, self._verify_stream,
                              admission, self.phone.start_within_s, metrics.MetricsObserver("phone"),
                              recording=self.recording(None, "phone", CARRIER), voices=self.voices,
-                             languages=self.languages,
+                             offer=self.offer,
                              phone=self.phone, calls=self.call_controls.get(provider))
 
         await self._serve_websocket(ws, serve, carrier=True)

@@ -37,13 +37,13 @@ except ModuleNotFoundError as missing:
     rtc_adapter = rtc_peer = None
 
 
-def _session_of(value, cfg, voices, languages) -> dict | None:
+def _session_of(value, cfg, voices, offer) -> dict | None:
     """A call's session object (an offer's ``session`` part, a client secret's), checked as
     ``session.update`` checks it: its known part, or BodyRefused 400 naming the bad field."""
     if value is None:
         return None
     try:
-        return check_opening_session(value, cfg, voices, languages)
+        return check_opening_session(value, cfg, voices, offer)
     except (BadSetting, ClientEventError) as exc:
         code, message, param = realtime_refusal(exc)
         raise BodyRefused(400, code, message, param) from None
@@ -106,7 +106,7 @@ class WebRTCRoutes:
                 raise BodyRefused(400, "invalid_json", "the body must be a JSON object") from None
             if not isinstance(request_object, dict):
                 raise BodyRefused(400, "invalid_json", "the body must be a JSON object")
-            session = _session_of(request_object.get("session"), self.session_cfg, self.voices, self.languages)
+            session = _session_of(request_object.get("session"), self.session_cfg, self.voices, self.offer)
             issued = self.gate.issue_ticket(hs)
         except Refused as refused:
             metrics.HANDSHAKES_REFUSED.labels(code=refused.code).inc()
@@ -137,7 +137,7 @@ class WebRTCRoutes:
             if self.sessions.full or self.sessions.draining:
                 raise Refused(errors.E_SERVER_BUSY, "this server is at its session limit; try again shortly")
             offer, session = await _offer(request)
-            session = _session_of(session, self.session_cfg, self.voices, self.languages)  # before any peer exists
+            session = _session_of(session, self.session_cfg, self.voices, self.offer)  # before any peer exists
             peer = rtc_peer.Peer(self.webrtc.ice_servers, on_stats=metrics.webrtc_stats, policy=self.webrtc.policy)
             answer = await peer.answer(offer)
             for reason, count in peer.dropped_candidates.items():
@@ -180,7 +180,7 @@ class WebRTCRoutes:
         try:
             await serve_connection(peer, self.backends, self.session_cfg, self.sessions, rtc_adapter.WebRTCSession,
                                    observer=metrics.MetricsObserver("webrtc"), recording=recording,
-                                   voices=self.voices, languages=self.languages, model=model or "gapless",
+                                   voices=self.voices, offer=self.offer, model=model or "gapless",
                                    peer=peer, session=session)
         finally:
             admission.release()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy.signal import resample_poly
 
-from deployments.app import check_phone_agents, languages_of
+from deployments.app import check_phone_agents, offer_of
 from pipeline.adapters.phone.config import read_phone_section
 from pipeline.adapters.realtime.adapter import RealtimeSession
 from pipeline.adapters.v1 import protocol as P
@@ -37,7 +37,7 @@ STT = STTConfig.tiny(multilingual=True, num_slots=2, endpoint_ms=None)
 TTS = TTSConfig.tiny(family="dsm", num_slots=2, voices={
     "default": {"voice": "expresso/ex03-ex01_happy_001_channel1_334s.wav", "languages": ["en"]},
     "marie": {"voice": "cml-tts/fr/2154_2576_000020.wav", "languages": ["fr"]}})
-LANGUAGES = languages_of({"stt": STT, "tts": TTS})
+OFFER = offer_of({"stt": STT, "tts": TTS})
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,9 @@ class OpenSpy:
 
 
 def test_the_offer_is_what_the_recogniser_hears_and_each_voice_speaks():
-    assert {"fr", "de", "en", "auto"} <= set(LANGUAGES.heard)
-    assert LANGUAGES.voice_languages("marie") == ("fr",) and LANGUAGES.voice_languages("default") == ("en",)
-    assert LANGUAGES.voice_languages("alloy") == ("en",)  # an OpenAI name speaks as the voice it aliases
+    assert {"fr", "de", "en", "auto"} <= set(OFFER.heard)
+    assert OFFER.voice_languages("marie") == ("fr",) and OFFER.voice_languages("default") == ("en",)
+    assert OFFER.voice_languages("alloy") == ("en",)  # an OpenAI name speaks as the voice it aliases
 
 
 def test_a_v1_session_in_french_is_heard_in_french(engines):
@@ -76,12 +76,15 @@ def test_a_v1_session_in_french_is_heard_in_french(engines):
         rec = Recorder()
         s = Session(rec, spy, SessionConfig(turn_detection="manual", barge_in="words", echo_cancellation=False,
                                             noise_reduction=None),
-                    voices=TTS.voice_names(), languages=LANGUAGES)
+                    voices=TTS.voice_names(), offer=OFFER)
         await s.start()
         ready = rec.msgs[0]
         await s.on_frame(P.pack({"type": "session.update", "language": "fr"}))  # the default voice is English
         await s.on_frame(P.pack({"type": "session.update", "language": "ja"}))
         await s.on_frame(P.pack({"type": "session.update", "voice": "marie", "language": "fr"}))
+        await s.on_frame(P.pack({"type": "session.update", "voice": "default"}))  # English only: refused
+        await s.on_frame(P.pack({"type": "voice.clip", "pcm": np.zeros(2400, "<i2").tobytes(), "text": "Allô.",
+                                 "done": True}))  # DSM voices take no clip
         for i in range(0, len(pcm), 1600):
             await s.on_frame(P.client_audio(pcm[i : i + 1600]))
         await s.on_frame(P.client_turn_end())
@@ -92,10 +95,11 @@ def test_a_v1_session_in_french_is_heard_in_french(engines):
         return ready, rec.msgs, rec.times
 
     ready, msgs, times = asyncio.run(go())
-    assert ready["languages"] == list(LANGUAGES.heard) and ready["voice_languages"]["marie"] == ["fr"]
+    assert ready["languages"] == list(OFFER.heard) and ready["voice_languages"]["marie"] == ["fr"]
     errors = [m for m in msgs if m["type"] == "error"]
-    assert [e["param"] for e in errors] == ["language", "language"]
+    assert [e["param"] for e in errors] == ["language", "language", "voice", "voice.clip"]
     assert "marie" in errors[0]["message"] and "'ja' is not heard" in errors[1]["message"]
+    assert "voice 'default' speaks ['en'], not 'fr'" in errors[2]["message"] and "no voice clip" in errors[3]["message"]
     assert [m["settings"]["language"] for m in msgs if m["type"] == "session.updated"] == ["fr"]
     assert spy.opened == ["fr"]
     final = next(m for m in msgs if m["type"] == "transcript.final")
@@ -113,7 +117,7 @@ def test_a_realtime_session_sets_its_language_through_transcription(engines):
     async def go():
         wire = Wire()
         s = RealtimeSession(wire, spy, SessionConfig(turn_detection="manual"), voices=TTS.voice_names(),
-                            languages=LANGUAGES)
+                            offer=OFFER)
         await s.start()
         await send(s, type="session.update", session={"audio": {"input": {"transcription": {"language": "xx"}}}})
         await send(s, type="session.update", session={"audio": {"input": {"transcription": {"language": "de"}}}})
@@ -123,6 +127,8 @@ def test_a_realtime_session_sets_its_language_through_transcription(engines):
         await send(s, type="input_audio_buffer.append", audio=base64.b64encode(audio24.tobytes()).decode())
         await send(s, type="input_audio_buffer.commit")
         await wire.wait("conversation.item.input_audio_transcription.completed")
+        await send(s, type="session.update", session={"audio": {"input": {"transcription": None}}})
+        kept = s.core.shared.agent.language  # transcription events off; the language stays
         await send(s, type="response.create")  # answered aloud, by the French voice
         await wire.wait("response.done")
         await send(s, type="conversation.item.create", item={"type": "message", "role": "user",
@@ -130,14 +136,15 @@ def test_a_realtime_session_sets_its_language_through_transcription(engines):
         await send(s, type="response.create")
         await wire.wait("response.done", 2)
         await s.close()
-        return wire
+        return wire, kept
 
-    wire = asyncio.run(go())
+    wire, kept = asyncio.run(go())
+    assert kept == "fr-CA"
     errors = wire.of("error")
     assert [e["error"]["param"] for e in errors] == ["session.audio.input.transcription.language"] * 2
     assert "'xx' is not heard" in errors[0]["error"]["message"]
     assert "voice 'default' speaks ['en'], not 'de'" in errors[1]["error"]["message"]
-    assert wire.of("session.updated")[-1]["session"]["audio"]["input"]["transcription"]["language"] == "fr-CA"
+    assert wire.of("session.updated")[-2]["session"]["audio"]["input"]["transcription"]["language"] == "fr-CA"
     assert spy.opened == ["fr-CA"]  # the recogniser hears it as French (its primary subtag)
     for done in wire.of("response.done"):  # the spoken turn's reply and the typed turn's, both aloud
         rid = done["response"]["id"]
@@ -149,9 +156,9 @@ def test_a_phone_agent_in_a_language_no_voice_speaks_stops_the_start():
     phone = read_phone_section({"agents": {"accueil": {"voice": "marie", "language": "fr"},
                                            "empfang": {"language": "de"}}})
     with pytest.raises(ValueError, match="phone agent 'empfang': language: voice 'default' speaks"):
-        check_phone_agents(phone, TTS.voice_names(), LANGUAGES)
+        check_phone_agents(phone, TTS.voice_names(), OFFER)
     ok = read_phone_section({"agents": {"accueil": {"voice": "marie", "language": "fr"}}})
-    check_phone_agents(ok, TTS.voice_names(), LANGUAGES)
+    check_phone_agents(ok, TTS.voice_names(), OFFER)
     assert ok.agents["accueil"].agent_changes()["language"] == "fr"
 
 

@@ -3,6 +3,8 @@ random weights): streams in different languages share one batched step, and each
 equal NeMo's own offline pass of the same model prompted with that stream's language."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -68,6 +70,17 @@ def test_a_fork_keeps_its_streams_language(multilingual):
         finals.update({e.stream_id: e for e in engine.step() if e.kind == "final"})
     assert finals["a_copy"].tokens == offline_tokens(model, pcm[:half], "fr")
     assert finals["a_copy"].tokens != offline_tokens(model, pcm[:half], "de")
+
+
+def test_a_slot_a_french_stream_left_hears_the_next_stream_in_its_own_language(multilingual):
+    cfg, model = multilingual
+    engine = STTEngine(model, dataclasses.replace(cfg, num_slots=1))
+    pcm = formant_speech(1.6, seed=14)
+    engine.open("fr", "fr")
+    _finals(engine, {"fr": pcm})
+    engine.close("fr")
+    engine.open("next")  # the same (only) slot, no language asked: the model's default ("auto")
+    assert _finals(engine, {"next": pcm})["next"].tokens == offline_tokens(model, pcm, None) != offline_tokens(model, pcm, "fr")
 
 
 def test_a_language_the_model_does_not_speak_is_refused_by_name(multilingual):

@@ -15,7 +15,7 @@ from typing import Any, Collection
 
 import jsonschema
 
-from pipeline.conversation.language import LanguageRefused, LanguageSupport
+from pipeline.conversation.voice_offer import LanguageRefused, VoiceOffer
 from pipeline.engines import Sampling, Segment, Voice
 
 MAX_INSTRUCTIONS_CHARS = 16_000
@@ -77,9 +77,9 @@ class AgentSettings:
         return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
 
     def updated(self, changes: dict[str, Any], voices: Collection[str],
-                languages: LanguageSupport = LanguageSupport()) -> "AgentSettings":
+                offer: VoiceOffer = VoiceOffer()) -> "AgentSettings":
         """These settings with ``changes`` (field name -> value) applied, every value checked
-        first (a language against what ``languages`` hears and the voice speaks); raises
+        first (a language against what ``offer`` hears and the voice speaks); raises
         :class:`BadSetting` naming the first bad one, and changes nothing then."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
@@ -96,9 +96,10 @@ class AgentSettings:
             raise BadSetting("tool_choice", "tool_choice \"required\" needs tools")
         if "language" in checked or "voice" in checked:
             try:
-                languages.check(agent.language, agent.voice)
-            except LanguageRefused as exc:
-                raise BadSetting("language" if "language" in checked else "voice", str(exc)) from None
+                offer.check(agent.language, agent.voice)
+            except LanguageRefused as exc:  # named by what this change moved: the language, else the voice
+                moved = agent.language != self.language or agent.voice == self.voice
+                raise BadSetting("language" if moved else "voice", str(exc)) from None
         return agent
 
     def describe(self) -> dict[str, Any]:

@@ -26,10 +26,10 @@ class Configurator:
         applies. A new voice starts the bot's side of the TTS context afresh."""
         s, changes = self.shared, dict(agent or {})
         cfg = dataclasses.replace(s.cfg, **turn_taking) if turn_taking else s.cfg
-        settings = s.agent.updated(changes, s.voices, s.languages)
+        settings = s.agent.updated(changes, s.voices, s.offer)
         if voice_clip is not None:
             changes["voice_reference"] = await self._encode_clip(voice_clip)
-            settings = s.agent.updated(changes, s.voices, s.languages)
+            settings = s.agent.updated(changes, s.voices, s.offer)
         self.turns.configure(cfg)
         s.cfg = cfg
         s.history.max_chars = cfg.max_history_chars  # applies from the next item added
@@ -44,6 +44,9 @@ class Configurator:
     async def _encode_clip(self, clip: C.VoiceClip) -> Segment:
         """A session's own reference clip -> its context segment (a bucketed encode: never a new
         shape on the TTS replica)."""
+        if not self.shared.offer.voice_clips:
+            raise BadSetting("voice_clip", "this server's voices take no voice clip (they are speaker embeddings: "
+                                           "choose one by its voice name)")
         text = clip.text.strip()
         if not text or len(text) > MAX_VOICE_CLIP_TEXT:
             raise BadSetting("voice_clip", f"a voice clip needs its transcript, of at most {MAX_VOICE_CLIP_TEXT} "

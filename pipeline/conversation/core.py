@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -34,7 +35,7 @@ from pipeline.conversation.events import (CallOver, Emit, Event, PlaybackCut, Re
 from pipeline.conversation.history import History, new_id
 from pipeline.conversation.items import Items
 from pipeline.conversation.keypad import Keypad
-from pipeline.conversation.language import LanguageSupport
+from pipeline.conversation.voice_offer import LanguageRefused, VoiceOffer
 from pipeline.conversation.call_record import CallRecord
 from pipeline.conversation.observer import Observer, Observers
 from pipeline.conversation.playback import Ending, Playback
@@ -59,7 +60,7 @@ class Conversation:
                  smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
                  clock: Callable[[], float] = time.monotonic, observer: Observer | None = None,
                  wake: asyncio.Event | None = None, holds_playback: bool = False, client_pauses: bool = True,
-                 languages: LanguageSupport | None = None):
+                 offer: VoiceOffer | None = None):
         cfg = cfg or SessionConfig()
         self.id = session_id or new_id("sess")
         self.changed = asyncio.Event()  # what a resumed conversation would start from changed
@@ -71,7 +72,7 @@ class Conversation:
                                  clock, voices, cfg,
                                  History(max_chars=cfg.max_history_chars, on_change=self.changed.set),
                                  VoiceContext(backends, cfg_now, self.changed.set, self.id), changed=self.changed,
-                                 languages=languages or LanguageSupport())
+                                 offer=offer or VoiceOffer())
         self.turns = TurnTaker(backends, self.id, cfg_now, clock, s.emit, s.error, smart_turn, s.observer.smart_turn,
                                s.observer.stt_final, lambda: self.shared.agent.language)
         self.tools = ToolFlow(s)
@@ -271,6 +272,11 @@ class Conversation:
         the client received (the turn and seq of its last audio message; (None, None): all)."""
         s = self.shared
         s.turn, s.agent, s.context.segments = snap.turn, snap.agent, list(snap.context)
+        try:  # resumed on a server that no longer serves its language (or voice for it): the default
+            s.offer.check(s.agent.language, s.agent.voice)
+        except LanguageRefused as exc:
+            log.warning("session %s resumed without its language: %s", s.id, exc)
+            s.agent = dataclasses.replace(s.agent, language=None)
         for item in snap.items:
             s.history.add(item)
         self.replies.done_turn = self.replies.seq_turn = snap.turn  # the turns before are over

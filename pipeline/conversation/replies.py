@@ -81,7 +81,7 @@ class Replies:
         only (checked already). ``script``: a fixed text to say instead of the LLM's; ``record``:
         whether what it says joins the history; ``metadata``: the client's, carried by the reply."""
         s = self.shared
-        settings = s.agent.updated(overrides, s.voices, s.languages) if overrides else s.agent
+        settings = s.agent.updated(overrides, s.voices, s.offer) if overrides else s.agent
         last = s.history.last
         if last is not None and last.kind == "function_call_output" and settings.tool_choice != "none":
             # a reply to tool results may call again, but is not made to: "required" would loop forever

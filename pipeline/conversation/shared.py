@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline.conversation.agent import AgentSettings
-from pipeline.conversation.language import LanguageSupport
+from pipeline.conversation.voice_offer import VoiceOffer
 from pipeline.conversation.events import Emit, Error
 from pipeline.conversation.observer import Observer
 from pipeline.conversation.voice_context import VoiceContext
@@ -28,7 +28,7 @@ class Shared:
     history: History
     context: VoiceContext
     agent: AgentSettings = field(default_factory=AgentSettings)
-    languages: LanguageSupport = field(default_factory=LanguageSupport)  # what a session may choose as its language
+    offer: VoiceOffer = field(default_factory=VoiceOffer)  # the languages and voice clips a session may choose
     turn: int = 0  # number of the last user turn that ended
     reply_on_turn_end: bool = True  # a turn the server ended gets its reply (Realtime: create_response)
     # Set whenever what a resumed conversation would start from changed (pipeline/resume/keeper.py)

@@ -120,7 +120,7 @@ class UserTurns:
     def check(self, overrides: dict[str, Any] | None) -> None:
         """A reply's own settings, checked before anything happens (raises BadSetting)."""
         if overrides:
-            self.shared.agent.updated(overrides, self.shared.voices, self.shared.languages)
+            self.shared.agent.updated(overrides, self.shared.voices, self.shared.offer)
 
     def pay_for_reply(self) -> None:
         """A reply the client asks for (a typed turn, response.create) pays from the reply allowance."""

@@ -19,7 +19,8 @@ class STTConfig:
     # real: the multilingual checkpoint is the default model (a checkpoint says itself whether it is)
     multilingual: bool = False
     # the language codes sessions may choose (checked against the model at start-up); None: the model's
-    # (English: "en"; the tiny multilingual: its dictionary's; the real multilingual: REAL_MULTILINGUAL_CODES)
+    # (English: "en"; the tiny multilingual: its dictionary's). Required with the real multilingual
+    # checkpoint: the codes of its prompt_dictionary you serve (the server refuses to start on one it lacks).
     languages: Optional[list[str]] = None
     # [left, lookahead] encoder frames; a model trained with another left context keeps this lookahead
     att_context_size: list[int] = field(default_factory=lambda: [70, 13])
@@ -68,13 +69,11 @@ class STTConfig:
 
     def heard(self) -> tuple[str, ...]:
         """The language codes a session may ask this recogniser for (known before it loads)."""
-        from pipeline.stt.languages import ENGLISH_ONLY, REAL_MULTILINGUAL_CODES, TINY_PROMPTS
+        from pipeline.stt.languages import ENGLISH_ONLY, TINY_PROMPTS
 
         if self.languages is not None:
             return tuple(self.languages)
-        if not self.multilingual:
-            return (ENGLISH_ONLY,)
-        return REAL_MULTILINGUAL_CODES if self.profile == "real" else tuple(sorted(TINY_PROMPTS))
+        return tuple(sorted(TINY_PROMPTS)) if self.multilingual else (ENGLISH_ONLY,)
 
     def __post_init__(self) -> None:
         if self.profile not in ("tiny", "full", "real"):
@@ -91,5 +90,8 @@ class STTConfig:
         if self.languages is not None and (not isinstance(self.languages, (list, tuple)) or not self.languages
                                            or not all(isinstance(c, str) and c for c in self.languages)):
             raise ValueError(f"STTConfig.languages must be a non-empty list of language codes, got {self.languages!r}")
+        if self.profile == "real" and self.multilingual and self.languages is None:
+            raise ValueError("STTConfig: the real multilingual recogniser needs languages: the codes of its "
+                             "prompt_dictionary sessions may choose, e.g. [auto, en, fr, de, es] (docs/stt.md, \"Languages\")")
         if self.num_slots < 1:
             raise ValueError("STTConfig.num_slots must be >= 1")

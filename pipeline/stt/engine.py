@@ -316,10 +316,6 @@ class STTEngine:
                                self.languages.num_prompts)
         return enc_out, enc_len
 
-        onehot = torch.nn.functional.one_hot(self.state.prompt.index_select(0, idx), self.languages.num_prompts)
-        onehot = onehot.to(x.dtype)[:, None, :].expand(-1, x.shape[1], -1)
-        return self.model.prompt_kernel(torch.cat([x, onehot], dim=-1)).transpose(1, 2)
-
     def _decode(self, streams: list[SlotStream], enc_out: torch.Tensor, enc_len: torch.Tensor, idx: torch.Tensor) -> None:
         """Stage 4: greedy RNNT over the chunk with each slot's carried prediction-net state, then
         the step's one device-to-host transfer (labels, their frames, frame counts) into the streams."""

@@ -17,10 +17,6 @@ import torch
 # The multilingual nemotron's prompt: 128 one-hot language slots, codes at the published model's indices
 # (a subset: the tiny tokenizer's four languages, and "auto", the model's own detection).
 TINY_PROMPTS = {"en-US": 0, "en": 0, "es-ES": 2, "es": 3, "fr": 8, "fr-FR": 8, "de": 9, "de-DE": 9, "auto": 101}
-# What sessions may ask of the real multilingual checkpoint unless STTConfig.languages says otherwise:
-# codes of its published prompt dictionary as reported (checked against the checkpoint at start-up).
-REAL_MULTILINGUAL_CODES = ("auto", "ar", "de", "en", "en-GB", "en-US", "es", "es-ES", "fr", "hi", "it", "ja",
-                           "ko", "pt", "pt-BR", "ru", "zh-CN", "zh-TW")
 TAG = re.compile(r"^<[a-z]{2}-[A-Z]{2}>$")  # NeMo's own pattern of a language tag (rnnt_decoding.py)
 ENGLISH_ONLY = "en"
 
@@ -63,11 +59,11 @@ class Languages:
             return self.default
         if not isinstance(language, str) or not language:
             raise ValueError(f"a language is a code such as 'en' or 'fr', got {language!r}")
-        known = self.codes
+        known = {c.lower(): c for c in self.codes}  # language tags are case-insensitive (BCP 47)
         for code in (language, language.split("-")[0]):
-            if code in known:
-                return code
-        raise ValueError(f"the recogniser does not speak {language!r}; it speaks {list(known)}")
+            if code.lower() in known:
+                return known[code.lower()]
+        raise ValueError(f"the recogniser does not speak {language!r}; it speaks {list(self.codes)}")
 
     def check_offered(self, codes: tuple[str, ...]) -> None:
         """ValueError (at start-up) when sessions are offered a code this model does not speak."""

@@ -98,6 +98,11 @@ class TTSConfig:
                              "(compile on CUDA already replays CUDA graphs)")
         if self.family not in ("csm", "dsm"):
             raise ValueError(f"TTSConfig.family must be 'csm' or 'dsm', got {self.family!r}")
+        if self.dsm_cfg_coef not in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0):
+            raise ValueError(f"TTSConfig.dsm_cfg_coef must be 1.0 to 4.0 in steps of 0.5, got {self.dsm_cfg_coef!r}")
+        if isinstance(self.dsm_padding_between, bool) or not isinstance(self.dsm_padding_between, int) \
+                or not 0 <= self.dsm_padding_between <= 8:
+            raise ValueError(f"TTSConfig.dsm_padding_between must be an integer 0..8, got {self.dsm_padding_between!r}")
         if self.family == "dsm" and self.profile == "full":
             raise ValueError("TTSConfig: the dsm family has tiny and real profiles (no full)")
         keys = ("speaker", "clip", "text", "languages") if self.family == "csm" else ("voice", "languages")

@@ -34,7 +34,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from pipeline.wire import CloseConnection, WireSession
-from pipeline.conversation.language import LanguageSupport
+from pipeline.conversation.voice_offer import VoiceOffer
 from pipeline.conversation.agent import DEFAULT_VOICE, BadSetting
 from pipeline.audio_constants import REPLY_RATE
 from pipeline.adapters.audio_formats import Decoder, Encoder
@@ -149,12 +149,12 @@ class PhoneSession(WireSession):
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
                  observer: Observer | None = None, provider: str = "twilio", call: CallStart | None = None,
                  phone: PhoneConfig | None = None, calls: CallControl | None = None,
-                 languages: LanguageSupport | None = None):
+                 offer: VoiceOffer | None = None):
         super().__init__(send, observer)
         if call is None:
             raise ValueError("a PhoneSession serves a started call: serve_call reads its start first")
         self.dialect = DIALECTS[provider]
-        self.core = self.conversation(backends, cfg, session_id, smart_turn, voices, _monotonic, languages=languages)
+        self.core = self.conversation(backends, cfg, session_id, smart_turn, voices, _monotonic, offer=offer)
         self.phone = phone or PhoneConfig()
         self.tools = CallTools(self.core.do, self.phone, calls, self.deadline_changed.set, self.observer)
         self.call = call

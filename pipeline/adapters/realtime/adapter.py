@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from pipeline.wire import WireSession
-from pipeline.conversation.language import LanguageSupport
+from pipeline.conversation.voice_offer import VoiceOffer
 from pipeline.conversation.agent import DEFAULT_VOICE, AgentSettings, BadSetting
 from pipeline.audio_constants import CODEC_FRAME_S, USER_RATE
 from pipeline.adapters.audio_formats import Decoder, Encoder
@@ -59,12 +59,15 @@ def refusal(exc: ClientEventError | Refusal | BadSetting) -> tuple[str, str, str
 
 
 def check_opening_session(session: Any, server: SessionConfig, voices: tuple[str, ...],
-                          languages: LanguageSupport | None = None) -> dict:
+                          offer: VoiceOffer | None = None) -> dict:
     """The session object a call is made with (a WebRTC offer's ``session`` part, a client
     secret's), checked as ``session.update`` checks it, before anything exists for the call;
     returns its known part. Raises BadSetting or ClientEventError (:func:`refusal` words them)."""
     _, terms, clip = session_object.read(session, session_object.initial("sess", "gapless", server), server)
-    AgentSettings().updated(terms.agent, voices, languages or LanguageSupport())
+    offer = offer or VoiceOffer()
+    AgentSettings().updated(terms.agent, voices, offer)
+    if clip is not None and not offer.voice_clips:
+        raise BadSetting("voice_clip", "this server's voices take no voice clip (they are speaker embeddings)")
     if clip is not None:
         R.voice_clip(clip)
     return session_object.known(session)

@@ -286,8 +286,9 @@ def apply(session: dict, server: SessionConfig) -> SessionTerms:
              "modalities": session.get("output_modalities") or ["audio"],
              "max_output_tokens": session.get("max_output_tokens"), "temperature": session.get("temperature"),
              "tools": session.get("tools") or [], "tool_choice": session.get("tool_choice") or "auto",
-             "tool_filler": session.get("tool_filler"), "tool_filler_after_ms": session.get("tool_filler_after_ms", 700),
-             "language": (transcription or {}).get("language")}
+             "tool_filler": session.get("tool_filler"), "tool_filler_after_ms": session.get("tool_filler_after_ms", 700)}
+    if transcription is not None:  # null turns transcription events off and leaves the language as it was
+        agent["language"] = transcription.get("language")
     return SessionTerms(_format(session, "input"), _format(session, "output"), turn_taking, agent,
                         reply_on_turn_end, transcription is not None)
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from pipeline.adapters.v1 import protocol as P
 from pipeline.wire import WireSession
-from pipeline.conversation.language import LanguageSupport
+from pipeline.conversation.voice_offer import VoiceOffer
 from pipeline.conversation.agent import DEFAULT_VOICE, MAX_VOICE_CLIP_S, BadSetting
 from pipeline.audio_constants import REPLY_RATE
 from pipeline.conversation.calls import ToolResultError
@@ -36,17 +36,17 @@ class Session(WireSession):
 
     def __init__(self, send: Callable[[bytes], Awaitable[None]], backends: Backends, cfg: SessionConfig | None = None,
                  session_id: str | None = None, smart_turn=None, voices: tuple[str, ...] = (DEFAULT_VOICE,),
-                 observer: Observer | None = None, languages: LanguageSupport | None = None):
+                 observer: Observer | None = None, offer: VoiceOffer | None = None):
         super().__init__(send, observer)
-        self.core = self.conversation(backends, cfg, session_id, smart_turn, voices, _monotonic, languages=languages)
+        self.core = self.conversation(backends, cfg, session_id, smart_turn, voices, _monotonic, offer=offer)
         self.voices = tuple(voices)  # what session.ready offers
-        self.languages = languages or LanguageSupport()  # ... and the languages a session may choose
+        self.offer = offer or VoiceOffer()  # ... and the languages a session may choose
         self._clip: list[np.ndarray] = []  # voice.clip pieces so far
         self._clip_samples = 0
 
     async def start(self) -> None:
         """Greet the client. Nothing is taken from the engines until a spoken turn starts."""
-        await self.send(P.session_ready(self.id, self.resume_fields, self.voices, self.languages.describe()))
+        await self.send(P.session_ready(self.id, self.resume_fields, self.voices, self.offer.describe()))
 
     async def going_away(self, resume_token: str | None, reason: str) -> None:
         """The reply being sent ends here (response.done, interrupted); the client is told where to go on."""

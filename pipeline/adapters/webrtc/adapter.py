@@ -34,9 +34,9 @@ JITTER_BUFFER_MS = 40.0  # what a browser's receiver holds before it plays (Chro
 class WebRTCSession(RealtimeSession):
     def __init__(self, send, backends, cfg=None, session_id=None, smart_turn=None, voices=("default",),
                  model: str = "gapless", observer=None, peer: Peer | None = None, session: dict | None = None,
-                 languages=None):
+                 offer=None):
         super().__init__(send, backends, cfg, session_id, smart_turn, voices, model, False, observer,
-                         holds_playback=True, languages=languages)
+                         holds_playback=True, offer=offer)
         self.peer = peer
         self.initial = session  # the session object the call was made with (multipart "session")
         self._told: tuple[str | None, float, bool] = (None, 0.0, False)  # the last Played told to the core

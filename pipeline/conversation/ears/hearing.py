@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline.audio import pieces
 from pipeline.engines import Backends, EngineUnavailable, NoFreeSlot, UnknownStream, bounded
-from pipeline.errors import E_ENGINE_UNAVAILABLE, E_NO_FREE_SLOT
+from pipeline.errors import E_ENGINE_UNAVAILABLE, E_INVALID_VALUE, E_NO_FREE_SLOT
 from pipeline.conversation.history import new_id
 from pipeline.session_config import SessionConfig
 
@@ -117,6 +117,9 @@ class Recogniser:
         except NoFreeSlot as exc:
             await self._lose_slot(E_NO_FREE_SLOT, f"{exc}; this turn's audio is dropped until a slot frees "
                                   "(the session stays open: speak on, speak again later, or type)")
+            return
+        except ValueError as exc:  # a language the recogniser does not speak (the session's is checked first)
+            await self._lose_slot(E_INVALID_VALUE, f"the recogniser refused this turn: {exc}; its audio is dropped")
             return
         except EngineUnavailable as exc:  # the open may still take the slot after we gave up on it
             self._close_in_background()

@@ -61,7 +61,9 @@ def voice_files(cfg: TTSConfig, tts) -> dict[str, Path]:
     out = {}
     for name, spec in cfg.voice_specs().items():
         ref = spec["voice"]
-        if ref.endswith(".safetensors") and os.path.exists(ref):
+        if ref.endswith(".safetensors"):
+            if not os.path.exists(ref):
+                raise FileNotFoundError(f"voice {name!r}: no voice embedding at {ref!r}")
             out[name] = Path(ref)
         elif cfg.profile == "tiny":
             from safetensors.torch import save_file
@@ -69,8 +71,10 @@ def voice_files(cfg: TTSConfig, tts) -> dict[str, Path]:
             folder = Path(os.path.expanduser("~")) / ".cache" / "gapless" / "dsm-tiny" / "voices"
             folder.mkdir(parents=True, exist_ok=True)
             out[name] = folder / f"{hashlib.sha1(ref.encode()).hexdigest()[:16]}.safetensors"
-            if not out[name].exists():
-                save_file({"speaker_wavs": tiny_voice(ref)}, str(out[name]))
+            if not out[name].exists():  # written whole, then moved in: a replica starting beside never reads half
+                tmp = out[name].with_suffix(f".{os.getpid()}.tmp")
+                save_file({"speaker_wavs": tiny_voice(ref)}, str(tmp))
+                os.replace(tmp, out[name])
         else:
             from pipeline.runtime.weights import require_pretrained
 
@@ -100,7 +104,7 @@ class DSMEngine:
                                    self.num_codebooks, self.device)
         self._rows: list[TTSStream | None] = [None] * cfg.num_slots
         self._waiting: deque[TTSStream] = deque()
-        self._codes = torch.zeros(cfg.num_slots, self.num_codebooks, 1, dtype=torch.long, device=self.device)
+        self._codes = torch.zeros(cfg.num_slots, self.num_codebooks, 1, dtype=torch.long)  # this step's, on the host
 
     # -- the contract's bookkeeping ---------------------------------------------------------------
     @property
@@ -146,17 +150,19 @@ class DSMEngine:
         if not ran:
             return []
         audible = torch.zeros(self.num_slots, dtype=torch.bool)
-        for r in ran:
+        for r in ran:  # the frames are on the host already (DSMSlots reads the step's codes once)
             frames = self.slots.rows[r].frames
             if frames and self.slots.rows[r].steps > self.slots.gen.max_delay and (frames[-1] >= 0).all():
                 self._codes[r, :, 0] = frames[-1]
                 audible[r] = True
-        pcm = to_int16(self.decoder.decode(self._codes, audible.to(self.device))) if audible.any() else None
+        pcm = None
+        if audible.any():  # one copy to the device, one decode, one read back
+            pcm = to_int16(self.decoder.decode(self._codes.to(self.device), audible.to(self.device)))
         advanced = []
         for r in ran:
             s = self._rows[r]
             if audible[r]:
-                s._add_frame(self._codes[r, :, 0].cpu().numpy().copy(), pcm[r])
+                s._add_frame(self._codes[r, :, 0].numpy().copy(), pcm[r])
             s.generated = self.slots.rows[r].steps
             if self.slots.done(r) or self.slots.rows[r].steps >= MAX_STEPS:
                 s._publish()

@@ -15,8 +15,9 @@ step count and voice; rows join, wait and leave between steps:
 - A row is done ``delay_steps + final_padding`` steps after its last word, as moshi's
   ``TTSModel.generate`` stops.
 
-The state machine decides on the host, from the sampled text token, what text goes in next: one
-device-to-host read of the batch's text tokens per step (as moshi's own TTS server does).
+The state machine decides on the host, from the sampled text token, what text goes in next: a
+step reads the batch's sampled text tokens to the host (as moshi's own TTS server does), and its
+frame's codes once.
 """
 from __future__ import annotations
 
@@ -52,23 +53,26 @@ class DSMSlots:
         self.tts, self.lm, self.num_slots = tts, tts.lm, num_slots
         self.machine, self.padding_between = tts.machine, padding_between
         self.rows: list[Row | None] = [None] * num_slots
-        attributes = {name: tts.make_condition_attributes([Path(p)], cfg_coef) for name, p in voices.items()}
-        if default_voice not in attributes:
-            raise ValueError(f"the default voice {default_voice!r} is not among the voices {sorted(attributes)}")
+        if default_voice not in voices:
+            raise ValueError(f"the default voice {default_voice!r} is not among the voices {sorted(voices)}")
         self.default_voice = default_voice
+        files = {Path(p) for p in voices.values()}  # names sharing a file (aliases) share its state
+        attributes = {f: tts.make_condition_attributes([f], cfg_coef) for f in files}
         provide = self.lm.condition_provider.prepare_and_provide
         self._xattn = [m for m in self.lm.modules() if isinstance(m, StreamingMultiheadAttention) and m.cross_attention]
         with torch.no_grad():
-            cross = {name: self.lm.fuser.get_cross(provide([a])).to(self.lm.dtype) for name, a in attributes.items()}
+            cross = {f: self.lm.fuser.get_cross(provide([a])).to(self.lm.dtype) for f, a in attributes.items()}
             if len({c.shape for c in cross.values()}) != 1:
                 raise ValueError("every DSM voice embedding must have the same length to share a batch")
-            self._kv = {name: [m._compute_cross_attention(c, c) for m in self._xattn] for name, c in cross.items()}
+            kv = {f: [m._compute_cross_attention(c, c) for m in self._xattn] for f, c in cross.items()}
+        self._kv = {name: kv[Path(p)] for name, p in voices.items()}
+        default = Path(voices[default_voice])
         self.gen = LMGen(self.lm, use_sampling=tts.temp > 0, temp=tts.temp, temp_text=tts.temp,
-                         condition_tensors=provide([attributes[default_voice]] * num_slots),
+                         condition_tensors=provide([attributes[default]] * num_slots),
                          on_text_hook=self._on_text, on_audio_hook=self._on_audio, support_out_of_sync=True)
         self._stack = ExitStack()
         self._stack.enter_context(self.gen.streaming(num_slots))
-        for m, c in zip(self._xattn, [cross[default_voice].expand(num_slots, -1, -1)] * len(self._xattn)):
+        for m, c in zip(self._xattn, [cross[default].expand(num_slots, -1, -1)] * len(self._xattn)):
             m.update_streaming_cross_attention_src(c)  # every row's keys and values exist from the start
         self._input = torch.full((num_slots, self.lm.n_q - self.lm.dep_q, 1), self.machine.token_ids.zero,
                                  dtype=torch.long, device=self.lm.device)

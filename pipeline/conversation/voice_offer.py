@@ -1,4 +1,6 @@
-"""Which languages a session may choose: the ones the recogniser hears, spoken by the session's voice.
+"""What a server's engines offer a session beyond voice names: the languages it may choose (the
+ones the recogniser hears, spoken by the session's voice), and whether it may bring its own
+voice clip (CSM imitates one; DSM's voices are speaker embeddings and take none).
 
 A session's ``language`` (an agent setting) is what its recogniser listens for and what its voice
 must speak; None keeps the server's default (the recogniser's own: English for the English model,
@@ -24,17 +26,19 @@ def _primary(code: str) -> str:
 
 
 @dataclass(frozen=True)
-class LanguageSupport:
+class VoiceOffer:
     heard: tuple[str, ...] = ENGLISH  # the recogniser's codes
     spoken: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # voice -> its languages (absent: English)
+    voice_clips: bool = True  # a session may send its own voice clip
 
     def resolve(self, language: str) -> str:
         """The recogniser's code for ``language``; LanguageRefused when it does not hear it."""
         if not isinstance(language, str) or not language:
             raise LanguageRefused(f"language must be a code such as 'en' or 'fr', got {language!r}")
+        known = {c.lower(): c for c in self.heard}  # language tags are case-insensitive (BCP 47)
         for code in (language, language.split("-")[0]):
-            if code in self.heard:
-                return code
+            if code.lower() in known:
+                return known[code.lower()]
         raise LanguageRefused(f"language {language!r} is not heard here; the recogniser hears {list(self.heard)}")
 
     def voice_languages(self, voice: str) -> tuple[str, ...]:
