@@ -167,3 +167,13 @@ async def bounded_stream(stream: AsyncIterator[T], timeout_s: float) -> AsyncIte
             yield item
     finally:
         await stream.aclose()
+
+
+def match_language(language: str, known) -> str | None:
+    """The code among ``known`` that ``language`` names: itself, or its primary subtag ("fr-CA" ->
+    "fr" where only "fr" is known), case-insensitively (BCP 47); None when neither is known."""
+    lowered = {c.lower(): c for c in known}
+    for code in (language, language.split("-")[0]):
+        if code.lower() in lowered:
+            return lowered[code.lower()]
+    return None

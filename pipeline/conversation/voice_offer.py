@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from pipeline.engines import match_language
+
 ENGLISH = ("en",)
 AUTO = "auto"
 
@@ -35,10 +37,9 @@ class VoiceOffer:
         """The recogniser's code for ``language``; LanguageRefused when it does not hear it."""
         if not isinstance(language, str) or not language:
             raise LanguageRefused(f"language must be a code such as 'en' or 'fr', got {language!r}")
-        known = {c.lower(): c for c in self.heard}  # language tags are case-insensitive (BCP 47)
-        for code in (language, language.split("-")[0]):
-            if code.lower() in known:
-                return known[code.lower()]
+        code = match_language(language, self.heard)
+        if code is not None:
+            return code
         raise LanguageRefused(f"language {language!r} is not heard here; the recogniser hears {list(self.heard)}")
 
     def voice_languages(self, voice: str) -> tuple[str, ...]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.engines import match_language
+
 # The multilingual nemotron's prompt: 128 one-hot language slots, codes at the published model's indices
 # (a subset: the tiny tokenizer's four languages, and "auto", the model's own detection).
 TINY_PROMPTS = {"en-US": 0, "en": 0, "es-ES": 2, "es": 3, "fr": 8, "fr-FR": 8, "de": 9, "de-DE": 9, "auto": 101}
@@ -59,10 +61,9 @@ class Languages:
             return self.default
         if not isinstance(language, str) or not language:
             raise ValueError(f"a language is a code such as 'en' or 'fr', got {language!r}")
-        known = {c.lower(): c for c in self.codes}  # language tags are case-insensitive (BCP 47)
-        for code in (language, language.split("-")[0]):
-            if code.lower() in known:
-                return known[code.lower()]
+        code = match_language(language, self.codes)
+        if code is not None:
+            return code
         raise ValueError(f"the recogniser does not speak {language!r}; it speaks {list(self.codes)}")
 
     def check_offered(self, codes: tuple[str, ...]) -> None:

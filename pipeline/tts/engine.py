@@ -56,7 +56,7 @@ from pipeline.tts.config import TTSConfig
 from pipeline.tts.csm import CSM, load_csm, tiny_arch
 from pipeline.tts.mimi import SlotDecoder, load_mimi, to_int16
 from pipeline.tts.prompt import PromptBuilder, Segment
-from pipeline.tts.stream import TTSStream
+from pipeline.tts.stream import StreamRows, TTSStream
 from pipeline.tts.voices import VoiceProfile, Voices
 from pipeline.tts.sampling import race_noise, race_width
 from pipeline.tts.warmup import warm
@@ -71,7 +71,7 @@ class TTSBusyError(EngineBusy):
     instance of it too, so the session tells its client ``server_busy``)."""
 
 
-class TTSEngine:
+class TTSEngine(StreamRows):
     """CSM + Mimi serving ``cfg.num_slots`` streams in one batched frame step (module docstring)."""
 
     sample_rate = REPLY_RATE
@@ -218,20 +218,7 @@ class TTSEngine:
         h = self.fns["prefill"](torch.from_numpy(tok).to(dev)[None], torch.from_numpy(msk).to(dev)[None], last, slot)
         return h.clone() if self.device.type == "cuda" else h  # CUDA-graph outputs are reused
 
-    # -- streams ----------------------------------------------------------------------------------
-    @property
-    def active_requests(self) -> int:
-        """Streams opened and not yet finished or closed (with a slot, or waiting for one)."""
-        return self.busy_slots + len(self._waiting)
-
-    @property
-    def busy_slots(self) -> int:
-        """Slots a stream holds."""
-        return sum(s is not None for s in self._rows)
-
-    def has_work(self) -> bool:
-        return bool(self._waiting) or any(s is not None for s in self._rows)
-
+    # -- streams (their rows and queue: StreamRows) -------------------------------------------------
     def max_frames_for(self, text: str) -> int:
         """Frame budget of an utterance: ``frames_per_word`` per word (at least ``min_frames``), at
         most ``max_frames``. A trained CSM stops earlier on its own (all-zero frame); this bound is
@@ -265,19 +252,6 @@ class TTSEngine:
         s = TTSStream(self, tokens, mask, max_frames, int(seed), temperature)
         self._waiting.append(s)
         return s
-
-    def cancel(self, s: TTSStream) -> None:
-        """End ``s`` now: it leaves the waiting line or frees its slot before the next step."""
-        if s.closed:
-            return
-        s.closed = s.finished = True
-        if s.row is not None:
-            self._release(s)
-        else:
-            try:
-                self._waiting.remove(s)
-            except ValueError:
-                pass
 
     # -- the batched step ---------------------------------------------------------------------------
     @torch.inference_mode()

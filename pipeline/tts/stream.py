@@ -87,3 +87,35 @@ class TTSStream:
         self._pcm, self._frame_codes = [], []
         self._published += 1
         self.timings.setdefault("first_chunk_s", time.perf_counter() - self._opened_at)
+
+
+class StreamRows:
+    """What an engine keeps of its streams, whatever its model: the one in each row (slot) of its
+    batch, ``_rows`` (None: free), and those waiting for a row, ``_waiting`` (first come, first
+    served). The engine sets both and releases a row with its own ``_release``."""
+
+    _rows: list[TTSStream | None]
+    _waiting: deque
+
+    @property
+    def active_requests(self) -> int:
+        """Streams opened and not yet finished or closed (with a slot, or waiting for one)."""
+        return self.busy_slots + len(self._waiting)
+
+    @property
+    def busy_slots(self) -> int:
+        """Slots a stream holds."""
+        return sum(s is not None for s in self._rows)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or self.busy_slots > 0
+
+    def cancel(self, s: TTSStream) -> None:
+        """End ``s`` now: it leaves the waiting line or frees its row before the next step."""
+        if s.closed:
+            return
+        s.closed = s.finished = True
+        if s.row is not None:
+            self._release(s)
+        elif s in self._waiting:
+            self._waiting.remove(s)

@@ -26,7 +26,7 @@ from pipeline.tts.config import TTSConfig
 from pipeline.tts.dsm.model import DSM_VOICE_REPO, load_dsm, tiny_voice
 from pipeline.tts.dsm.slots import DSMSlots
 from pipeline.tts.mimi import SlotDecoder, to_int16
-from pipeline.tts.stream import TTSStream
+from pipeline.tts.stream import StreamRows, TTSStream
 
 MAX_STEPS = 3000  # a stream's steps at most (4 min of speech): a bound whatever the model does
 
@@ -83,7 +83,7 @@ def voice_files(cfg: TTSConfig, tts) -> dict[str, Path]:
     return out
 
 
-class DSMEngine:
+class DSMEngine(StreamRows):
     sample_rate = 24_000
     num_codebooks = 32
 
@@ -106,18 +106,7 @@ class DSMEngine:
         self._waiting: deque[TTSStream] = deque()
         self._codes = torch.zeros(cfg.num_slots, self.num_codebooks, 1, dtype=torch.long)  # this step's, on the host
 
-    # -- the contract's bookkeeping ---------------------------------------------------------------
-    @property
-    def active_requests(self) -> int:
-        return self.busy_slots + len(self._waiting)
-
-    @property
-    def busy_slots(self) -> int:
-        return sum(s is not None for s in self._rows)
-
-    def has_work(self) -> bool:
-        return bool(self._waiting) or self.busy_slots > 0
-
+    # -- the contract's bookkeeping (rows, queue, cancel: StreamRows) ------------------------------
     def stats(self) -> dict[str, int]:
         return {"unseen_shape_calls": 0, "slow_calls": 0}  # nothing compiled: every step is the one shape
 
@@ -130,15 +119,6 @@ class DSMEngine:
         s.text, s.voice = text, speaker or "default"
         self._waiting.append(s)
         return s
-
-    def cancel(self, s: TTSStream) -> None:
-        if s.closed:
-            return
-        s.closed = s.finished = True
-        if s.row is not None:
-            self._release(s)
-        elif s in self._waiting:
-            self._waiting.remove(s)
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
