@@ -171,7 +171,10 @@ async def bounded_stream(stream: AsyncIterator[T], timeout_s: float) -> AsyncIte
 
 def match_language(language: str, known) -> str | None:
     """The code among ``known`` that ``language`` names: itself, or its primary subtag ("fr-CA" ->
-    "fr" where only "fr" is known), case-insensitively (BCP 47); None when neither is known."""
+    "fr" where only "fr" is known), case-insensitively (BCP 47); None when neither is known, or
+    when ``language`` is no code at all (not a non-empty string)."""
+    if not isinstance(language, str) or not language:
+        return None
     lowered = {c.lower(): c for c in known}
     for code in (language, language.split("-")[0]):
         if code.lower() in lowered:

@@ -92,9 +92,9 @@ def test_a_v1_session_in_french_is_heard_in_french(engines):
         await s.on_frame(P.client_text("Et maintenant, une question écrite."))
         await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
         await s.close()
-        return ready, rec.msgs, rec.times
+        return ready, rec.msgs
 
-    ready, msgs, times = asyncio.run(go())
+    ready, msgs = asyncio.run(go())
     assert ready["languages"] == list(OFFER.heard) and ready["voice_languages"]["marie"] == ["fr"]
     errors = [m for m in msgs if m["type"] == "error"]
     assert [e["param"] for e in errors] == ["language", "language", "voice", "voice.clip"]

@@ -35,12 +35,10 @@ class VoiceOffer:
 
     def resolve(self, language: str) -> str:
         """The recogniser's code for ``language``; LanguageRefused when it does not hear it."""
-        if not isinstance(language, str) or not language:
-            raise LanguageRefused(f"language must be a code such as 'en' or 'fr', got {language!r}")
         code = match_language(language, self.heard)
-        if code is not None:
-            return code
-        raise LanguageRefused(f"language {language!r} is not heard here; the recogniser hears {list(self.heard)}")
+        if code is None:
+            raise LanguageRefused(f"language {language!r} is not heard here; the recogniser hears {list(self.heard)}")
+        return code
 
     def voice_languages(self, voice: str) -> tuple[str, ...]:
         return tuple(self.spoken.get(voice, ENGLISH))

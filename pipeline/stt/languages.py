@@ -59,12 +59,10 @@ class Languages:
         "fr" where only "fr" is known); ``None``: the default. ValueError when it speaks neither."""
         if language is None:
             return self.default
-        if not isinstance(language, str) or not language:
-            raise ValueError(f"a language is a code such as 'en' or 'fr', got {language!r}")
         code = match_language(language, self.codes)
-        if code is not None:
-            return code
-        raise ValueError(f"the recogniser does not speak {language!r}; it speaks {list(self.codes)}")
+        if code is None:
+            raise ValueError(f"the recogniser does not speak {language!r}; it speaks {list(self.codes)}")
+        return code
 
     def check_offered(self, codes: tuple[str, ...]) -> None:
         """ValueError (at start-up) when sessions are offered a code this model does not speak."""
