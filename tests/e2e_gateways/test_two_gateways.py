@@ -38,6 +38,9 @@ def _config(num_cpus_share: float = 2) -> dict:
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     app = cfg["applications"][0]
     app["args"]["auth"] = {"mode": "token", "tokens_env": "GAPLESS_TOKENS"}
+    # The redeploy test's conversations ask for typed replies back to back for a minute (the tiny
+    # LLM's replies are short): over the default 60 a minute, which this file does not test.
+    app["args"].setdefault("session", {})["max_replies_per_minute"] = 600
     for d in app["deployments"]:
         if d["name"] == "Gateway":  # two replicas in the CPU share of one (2 cores in all)
             d["num_replicas"] = 2
