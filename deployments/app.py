@@ -12,7 +12,7 @@ from ray.serve import Application
 from deployments.gateway import Gateway
 from deployments.session_store import SessionStore
 from deployments.llm import LLM
-from deployments.stt import STT
+from deployments.stt import STICKY_ROUTER, STT
 from deployments.tickets import TicketLedger
 from deployments.tts import TTS
 from pipeline import metrics
@@ -118,6 +118,8 @@ def build_app(args: dict[str, Any]) -> Application:
     if os.environ.get(metrics.MULTIPROC_ENV):
         metrics.prepare_multiproc_dir(os.environ[metrics.MULTIPROC_ENV])
     window = read_session_section(cfg["session"])[1].resume_window_s
-    return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), TTS.bind(cfg["tts"]), cfg["session"], cfg["auth"],
+    words = cfg["tts"].family == "dsm"  # one utterance per reply, held by the replica that opened it
+    tts = TTS.options(request_router_config=STICKY_ROUTER) if words else TTS
+    return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), tts.bind(cfg["tts"]), cfg["session"], cfg["auth"],
                         cfg["tts"].voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window),
-                        cfg["phone"], cfg["webrtc"], offer_of(cfg))
+                        cfg["phone"], cfg["webrtc"], offer_of(cfg), words)

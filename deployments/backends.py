@@ -46,10 +46,11 @@ class RayBackends(Backends):
     """The session's :class:`~pipeline.engines.Backends` through deployment handles (its in-process
     twin is ``pipeline.services.LocalBackends``). Every STT call of one stream carries its id as the
     routing key, so the STT deployment's consistent-hash router sends them all to the replica that
-    holds the stream (UnknownStream comes back as itself)."""
+    holds the stream (UnknownStream comes back as itself); so does every call of one TTS utterance."""
 
-    def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle):
+    def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, tts_words: bool = False):
         self.stt, self.llm, self.tts = stt, llm, tts
+        self.tts_words = tts_words  # the TTS family takes words (DSM): its deployment routes by utterance id
 
     def _stt(self, sid: str) -> DeploymentHandle:
         return self.stt.options(session_id=sid)
@@ -87,3 +88,17 @@ class RayBackends(Backends):
     @_engine_call
     async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
         return await self.tts.encode.remote(pcm, rate)
+
+    def _tts(self, uid: str) -> DeploymentHandle:
+        return self.tts.options(session_id=uid)
+
+    @_engine_call
+    async def tts_open(self, uid: str, voice: Voice | None = None) -> None:
+        await self._tts(uid).open.remote(uid, voice)
+
+    @_engine_call
+    async def tts_say(self, uid: str, clause: str, final: bool = False) -> None:
+        await self._tts(uid).say.remote(uid, clause, final)
+
+    def tts_chunks(self, uid: str) -> AsyncIterator[tuple[int | None, np.ndarray, np.ndarray]]:
+        return _remote_stream(self._tts(uid).options(stream=True).chunks.remote(uid))

@@ -71,9 +71,9 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
                  auth: dict, voices: tuple[str, ...] = ("default",), tickets: DeploymentHandle | None = None,
                  store: DeploymentHandle | None = None, phone: dict | None = None, webrtc: dict | None = None,
-                 offer: VoiceOffer | None = None):
+                 offer: VoiceOffer | None = None, tts_words: bool = False):
         metrics.serve_node_metrics()  # one replica of the node serves its metrics (pipeline/metrics.py)
-        self.backends = RayBackends(stt, llm, tts)
+        self.backends = RayBackends(stt, llm, tts, tts_words)
         self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
         self.offer = offer or VoiceOffer()  # what the recogniser hears, and which voice speaks what
         self.handles = {"stt": stt, "llm": llm, "tts": tts}

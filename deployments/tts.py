@@ -1,4 +1,8 @@
-"""TTS deployment: a thin adapter over :class:`pipeline.services.TTSService`."""
+"""TTS deployment: a thin adapter over :class:`pipeline.services.TTSService`.
+
+A family that takes words (DSM) holds each reply's utterance in the replica that opened it: the
+app builder then gives this deployment the STT's consistent-hash router, and the gateway sets the
+utterance id as the routing key of its calls (``deployments/backends.py``)."""
 from __future__ import annotations
 
 from ray import serve
@@ -18,6 +22,16 @@ class TTS(ModelReplica):
 
     async def stream(self, text: str, context: list | None = None, voice=None):
         async for item in self.svc.stream(text, context, voice):
+            yield item
+
+    async def open(self, uid: str, voice=None) -> None:
+        await self.svc.open(uid, voice)
+
+    async def say(self, uid: str, clause: str, final: bool = False) -> None:
+        await self.svc.say(uid, clause, final)
+
+    async def chunks(self, uid: str):
+        async for item in self.svc.chunks(uid):
             yield item
 
     async def encode(self, pcm, rate: int = USER_RATE):

@@ -2,7 +2,7 @@
 the per-request settings a session may send with a call.
 
 The contract is deliberately small: one STT stream per spoken turn, an LLM text stream, a TTS
-audio stream and a Mimi encode. ``pipeline.services.LocalBackends`` (in-process services) and
+audio stream (a clause each, or one utterance per reply fed clause by clause) and a Mimi encode. ``pipeline.services.LocalBackends`` (in-process services) and
 ``deployments.gateway.RayBackends`` (deployment handles) implement it; the model replicas import
 this module for the failures they raise, never the conversation logic.
 
@@ -116,7 +116,8 @@ class Backends(Protocol):
     checker verifies their signatures and a missing method fails at construction (abstract);
     tests/test_backends.py compares both with it. Test doubles may stay duck-typed: a session
     calls ``llm_stream(messages, sampling=...)``, and with default settings ``tts_stream(text,
-    context)`` and ``tts_encode(pcm)`` exactly so."""
+    context)`` and ``tts_encode(pcm)`` exactly so; one without ``tts_words`` is a TTS that takes a
+    clause per stream (:func:`takes_words`)."""
 
     # Any call may raise EngineUnavailable; stt_push and stt_finish raise UnknownStream.
     @abstractmethod
@@ -140,6 +141,22 @@ class Backends(Protocol):
     # int16 audio at ``rate`` (a user turn: 16 kHz; a reference clip: 24 kHz) -> Mimi codes [T, 32]
     @abstractmethod
     async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray: ...
+
+    # A TTS that takes words (DSM) speaks a reply as one utterance, its clauses said as the LLM writes
+    # them; it takes no conversation context. Where ``tts_words`` is False these raise NotImplementedError.
+    tts_words: bool = False
+    @abstractmethod
+    async def tts_open(self, uid: str, voice: Voice | None = None) -> None: ...  # raises EngineBusy
+    @abstractmethod
+    async def tts_say(self, uid: str, clause: str, final: bool = False) -> None: ...  # whole words; raises UnknownStream
+    # (mark: the index of the last clause begun in the chunk, else None; int16 24 kHz chunk; codes [n, 32])
+    @abstractmethod
+    def tts_chunks(self, uid: str) -> AsyncIterator[tuple[int | None, np.ndarray, np.ndarray]]: ...
+
+
+def takes_words(backends) -> bool:
+    """Whether ``backends``' TTS speaks a reply as one utterance fed clause by clause (DSM)."""
+    return getattr(backends, "tts_words", False)
 
 
 async def bounded(call: Awaitable[T], timeout_s: float) -> T:

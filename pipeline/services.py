@@ -17,7 +17,7 @@ import numpy as np
 from pipeline import metrics
 from pipeline.runtime.threads import InferenceThread
 from pipeline.audio_constants import USER_RATE
-from pipeline.engines import Backends, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall, UnknownStream, Voice
+from pipeline.engines import Backends, EngineBusy, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall, UnknownStream, Voice
 from pipeline.llm.tool_calls import ToolCallParser
 
 if TYPE_CHECKING:
@@ -254,14 +254,19 @@ class TTSService:
     then the streams that advanced are woken. No lock is held across a clause or a pacing sleep;
     a consumer that stops early cancels its stream, which frees its slot before the next step.
     Stateless across requests: the conversation context comes with each request (the session
-    owns it)."""
+    owns it). An engine that takes words (DSM) also serves utterances, one per reply: ``open``,
+    ``say`` each clause as the LLM writes it, ``chunks``; their calls must reach this replica
+    (the TTS deployment routes them by utterance id)."""
 
-    def __init__(self, engine, thread: InferenceThread):
+    def __init__(self, engine, thread: InferenceThread, unread_after_s: float = 10.0):
         self.engine, self.thread = engine, thread
         self._wakeups: dict[object, asyncio.Event] = {}
         self._stepper: asyncio.Task | None = None
         self._failure: BaseException | None = None
         self._encoding = asyncio.Lock()
+        self._utterances: dict[str, tuple[object, float]] = {}  # uid -> (its stream, when a call last touched it)
+        self._cancelling: set[asyncio.Task] = set()
+        self.unread_after_s = unread_after_s
         self._unseen = metrics.UNSEEN_SHAPES_AFTER_WARMUP.labels(deployment="tts")
         self._unseen.inc(0)
         self._unseen_seen = engine.stats()["unseen_shape_calls"]
@@ -306,9 +311,65 @@ class TTSService:
         """(int16 chunk, codes [n, 32] of the frames that made it) for ``text`` spoken after ``context``
         in ``voice`` (None: the default voice; a name the engine lacks raises KeyError)."""
         t0 = time.perf_counter()
-        profile = self.engine.voices.voice(voice.name, voice.reference) if voice is not None else self.engine.voices.voice()
+        profile = self._profile(voice)
         s = await self.thread.open(self.engine.stream, text, self.engine.voices.context(profile, context),
                                    profile.speaker, reference=profile.reference)
+        async for _, pcm, codes in self._chunks_of(s, t0):
+            yield pcm, codes
+
+    def _profile(self, voice: Voice | None):
+        return self.engine.voices.voice(voice.name, voice.reference) if voice is not None else self.engine.voices.voice()
+
+    @property
+    def takes_words(self) -> bool:
+        """The engine takes one stream per reply, its clauses as they come (DSM): :meth:`open`."""
+        return hasattr(self.engine, "say")
+
+    async def open(self, uid: str, voice: Voice | None = None) -> None:
+        """Open utterance ``uid`` (one reply's speech) in ``voice``: its clauses come by :meth:`say`,
+        its audio by :meth:`chunks`. Reopening an open id restarts it. Utterances nobody reads and no
+        call touched for ``unread_after_s`` (their reply gone before it read them) are closed here,
+        where a new one may need their rows."""
+        if not self.takes_words:
+            raise NotImplementedError("this TTS takes a clause per stream (tts_stream), not an utterance")
+        now = time.monotonic()
+        for old, (s, touched) in list(self._utterances.items()):
+            if old == uid or (now - touched > self.unread_after_s and s not in self._wakeups):
+                del self._utterances[old]
+                await self.thread.run(self.engine.cancel, s)
+        if len(self._utterances) >= self.engine.num_slots + self.engine.cfg.max_waiting:
+            raise EngineBusy(f"{len(self._utterances)} utterances are open on this TTS replica")
+        profile = self._profile(voice)
+        self._utterances[uid] = (await self.thread.open(self.engine.open, profile.speaker, profile.reference), now)
+        self._ensure_stepping()
+
+    async def say(self, uid: str, clause: str, final: bool = False) -> None:
+        """Utterance ``uid``'s next clause (whole words; ``final``: its last)."""
+        s = self._utterance(uid)
+        self._utterances[uid] = (s, time.monotonic())
+        await self.thread.run(self.engine.say, s, clause, final)
+        self._ensure_stepping()
+
+    async def chunks(self, uid: str) -> AsyncIterator[tuple[int | None, np.ndarray, np.ndarray]]:
+        """Utterance ``uid``'s audio as (clause mark, int16 chunk, codes [n, 32]): the mark is the index
+        of the last clause whose audio begins in the chunk, else None. Ends once its last clause is
+        spoken; leaving early closes the utterance."""
+        s = self._utterance(uid)
+        try:
+            async for item in self._chunks_of(s, time.perf_counter()):
+                yield item
+        finally:
+            if self._utterances.get(uid, (None,))[0] is s:
+                del self._utterances[uid]
+
+    def _utterance(self, uid: str):
+        try:
+            return self._utterances[uid][0]
+        except KeyError:
+            raise UnknownStream(f"no open utterance {uid!r} on this TTS replica") from None
+
+    async def _chunks_of(self, s, t0: float) -> AsyncIterator[tuple[int | None, np.ndarray, np.ndarray]]:
+        """A stream's chunks as the step loop publishes them; closed early when left early."""
         wake = self._wakeups[s] = asyncio.Event()
         samples = 0
         try:
@@ -318,10 +379,10 @@ class TTSService:
                 # yielded chunk) sets it again, so the wait below never misses one.
                 wake.clear()
                 ended = s.finished  # read before taking: chunks are published before `finished`
-                while (item := s.take()) is not None:
+                while (item := s.take_marked()) is not None:
                     if samples == 0:
                         metrics.TTS_TIME_TO_FIRST_CHUNK.observe(time.perf_counter() - t0)
-                    samples += len(item[0])
+                    samples += len(item[1])
                     yield item
                 if ended:
                     break
@@ -333,7 +394,14 @@ class TTSService:
         finally:
             self._wakeups.pop(s, None)
             if not s.finished:  # stopped early: free the slot on the inference thread, before the next step
-                self.thread.submit(self.engine.cancel, s)
+                task = asyncio.get_running_loop().create_task(self._cancel(s))
+                self._cancelling.add(task)
+                task.add_done_callback(self._cancelling.discard)
+
+    async def _cancel(self, s) -> None:
+        """End ``s`` on the inference thread; then the row it freed may take a waiting stream."""
+        await self.thread.run(self.engine.cancel, s)
+        self._ensure_stepping()
 
     async def encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
         """Audio (int16 at ``rate``: a user turn at 16 kHz, a voice clip at 24 kHz) to Mimi codes
@@ -361,6 +429,7 @@ class LocalBackends(Backends):
 
     def __init__(self, stt: STTService, llm: LLMService, tts: TTSService):
         self.stt, self.llm, self.tts = stt, llm, tts
+        self.tts_words = tts.takes_words
 
     @classmethod
     def build(cls, stt_cfg, llm_cfg, tts_cfg) -> "LocalBackends":
@@ -397,3 +466,12 @@ class LocalBackends(Backends):
 
     async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
         return await self.tts.encode(pcm, rate)
+
+    async def tts_open(self, uid: str, voice: Voice | None = None) -> None:
+        await self.tts.open(uid, voice)
+
+    async def tts_say(self, uid: str, clause: str, final: bool = False) -> None:
+        await self.tts.say(uid, clause, final)
+
+    def tts_chunks(self, uid: str) -> AsyncIterator[tuple[int | None, np.ndarray, np.ndarray]]:
+        return self.tts.chunks(uid)

@@ -113,3 +113,55 @@ def test_the_engine_queues_streams_past_its_rows_and_a_cancelled_one_frees_its_r
         engine.stream("Hi.", reference=Segment(0, "clip", np.zeros((3, 32), np.int64)))
     with pytest.raises(KeyError, match="unknown voice 'nobody'"):
         engine.stream("Hi.", speaker="nobody")
+
+
+CLAUSES = ["Hello there, my friend.", "How are you today?", "I am fine, thank you."]
+
+
+def test_a_reply_said_clause_by_clause_is_one_stream_with_each_clause_marked_where_moshi_speaks_it():
+    """One utterance whose clauses come as an LLM writes them (each after the row has run dry of
+    words) makes the codes moshi makes of the whole text at once, and the chunk each clause's audio
+    begins with carries its index: at the frame moshi's own run consumed its first word, plus the
+    model's audio delay (the first clause: the first chunk)."""
+    from pipeline.tts.config import TTSConfig
+    from pipeline.tts.dsm.engine import DSMEngine, voice_files
+
+    cfg = TTSConfig.tiny(family="dsm", num_slots=2, temperature=0.0)
+    engine = DSMEngine(cfg)
+    other = engine.stream("Someone else speaks beside it.")  # another row under way all along
+    s = engine.open()
+    for i, clause in enumerate(CLAUSES):
+        engine.say(s, clause)
+        while engine.slots.ready(s.row) if s.row is not None else True:
+            engine.step()  # until the row waits for words (the text is ahead of the audio)
+    assert not s.finished and s.generated > 0
+    engine.say(s, "", final=True)
+    with pytest.raises(ValueError, match="already said"):
+        engine.say(s, "More.")
+    while not (s.finished and other.finished):
+        engine.step()
+    chunks = []
+    while (item := s.take_marked()) is not None:
+        chunks.append(item)
+    engine.slots.close_all()
+
+    attributes = engine.tts.make_condition_attributes([Path(voice_files(cfg, engine.tts)["default"])], cfg.dsm_cfg_coef)
+    text = " ".join(CLAUSES)
+    result = engine.tts.generate([engine.tts.prepare_script([text], padding_between=cfg.dsm_padding_between)],
+                                 [attributes])
+    ref = torch.stack([f[0, 1:, 0] for f in result.frames])
+    audible = (ref >= 0).all(1)
+    codes = np.concatenate([c for _, _, c in chunks])
+    assert np.array_equal(codes, ref[audible].numpy())
+
+    words = [w for w, _ in result.all_transcripts[0]]
+    assert words == text.split()  # (a word per entry: the clauses' first words are found by count)
+    starts, at = [], 0
+    for clause in CLAUSES:
+        step = result.all_transcripts[0][at][1]
+        starts.append(int(audible[: step + engine.tts.delay_steps].sum()))  # audible frames before it
+        at += len(clause.split())
+    offsets = np.cumsum([0] + [len(c) for _, _, c in chunks])[:-1]
+    marked = {mark: int(offset) for (mark, _, _), offset in zip(chunks, offsets) if mark is not None}
+    # the first clause marks the first chunk (with the model's lead-in frames before its first word)
+    assert marked == {0: 0, 1: starts[1], 2: starts[2]} and starts[0] < starts[1] < starts[2]

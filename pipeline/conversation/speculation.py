@@ -25,7 +25,7 @@ from pipeline.conversation.clauses import ClauseSplitter
 from pipeline.conversation.ears.hearing import Recogniser
 from pipeline.conversation.presynthesis import FirstClause, Kept
 from pipeline.conversation.shared import Shared
-from pipeline.engines import ToolCall, bounded_stream
+from pipeline.engines import ToolCall, bounded_stream, takes_words
 
 # Outcomes, for the metrics: the reply used it; the turn ended with another prompt; the user spoke
 # on (or the turn was dropped) before it ended.
@@ -137,7 +137,7 @@ class Speculator:
         await self.drop(CANCELLED)
         s = self.shared
         speak, codes = None, None
-        if audio is not None and len(audio) and s.agent.speaks:
+        if audio is not None and len(audio) and s.agent.speaks and not takes_words(s.backends):  # (DSM: no context, one utterance)
             codes = s.context.encode_ahead(audio)
             speak = lambda clause: self._first_clause(clause, text, codes)  # noqa: E731
         self.current = Speculation(s.backends.llm_stream(messages, sampling=sampling), messages, sampling,

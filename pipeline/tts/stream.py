@@ -16,6 +16,10 @@ class TTSStream:
     ``.codes`` ([frames, 32] int64) and ``.frames`` hold the frames whose audio has been taken so
     far (all of them once the iteration ends). ``close()`` ends it early and frees its slot.
     ``engine``: the TTSEngine that steps it.
+
+    A stream fed clause by clause (DSM's :meth:`~pipeline.tts.dsm.engine.DSMEngine.say`) marks the
+    chunk each clause's audio begins with: :meth:`take_marked` gives the index of the last clause
+    begun in it (clauses counted from 0, empty ones not counted), None in a chunk that begins none.
     """
 
     def __init__(self, engine, tokens: np.ndarray, mask: np.ndarray, max_frames: int,
@@ -29,7 +33,8 @@ class TTSStream:
         self.closed = False  # cancelled by the consumer
         self.timings: dict[str, float] = {}
         self._opened_at = time.perf_counter()
-        self._ready: deque[tuple[np.ndarray, np.ndarray]] = deque()  # published, not yet taken
+        self._ready: deque[tuple[np.ndarray, np.ndarray, int | None]] = deque()  # published, not yet taken
+        self._mark: int | None = None  # the clause the next published chunk begins
         self._pcm: list[np.ndarray] = []  # frames since the last published chunk
         self._frame_codes: list[np.ndarray] = []
         self._published = 0
@@ -38,12 +43,17 @@ class TTSStream:
     # -- consumer side ------------------------------------------------------------------------------
     def take(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The next published chunk and its codes ([n, 32]), or None if none is ready."""
+        item = self.take_marked()
+        return None if item is None else item[1:]
+
+    def take_marked(self) -> tuple[int | None, np.ndarray, np.ndarray] | None:
+        """The next published chunk as (its clause mark, pcm, codes), or None if none is ready."""
         try:
-            pcm, codes = self._ready.popleft()
+            pcm, codes, mark = self._ready.popleft()
         except IndexError:
             return None
         self._taken.append(codes)
-        return pcm, codes
+        return mark, pcm, codes
 
     def __iter__(self) -> "TTSStream":
         return self
@@ -80,11 +90,16 @@ class TTSStream:
         if len(self._pcm) >= (cfg.first_chunk_frames if self._published == 0 else cfg.chunk_frames):
             self._publish()
 
+    def _begin_clause(self, index: int) -> None:
+        """The next frame is the first of clause ``index``: it begins a chunk of its own."""
+        self._publish()
+        self._mark = index
+
     def _publish(self) -> None:
         if not self._pcm:
             return
-        self._ready.append((np.concatenate(self._pcm), np.stack(self._frame_codes).astype(np.int64)))
-        self._pcm, self._frame_codes = [], []
+        self._ready.append((np.concatenate(self._pcm), np.stack(self._frame_codes).astype(np.int64), self._mark))
+        self._pcm, self._frame_codes, self._mark = [], [], None
         self._published += 1
         self.timings.setdefault("first_chunk_s", time.perf_counter() - self._opened_at)
 

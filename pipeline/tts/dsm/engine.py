@@ -3,7 +3,9 @@ same ``stream`` / ``step`` / ``cancel`` and :class:`~pipeline.tts.stream.TTSStre
 engine, over :class:`~pipeline.tts.dsm.slots.DSMSlots` and one batched Mimi decode per step.
 
 A stream takes a free row when one is free (else it waits, first come first served), with its
-voice; its clause goes in whole. Each step runs the rows that can go on, and decodes in one Mimi
+voice. Its text goes in whole (:meth:`DSMEngine.stream`, a clause) or clause by clause as the LLM
+writes them (:meth:`DSMEngine.open`, then :meth:`DSMEngine.say`: one stream per reply, so the
+model's lead of text on audio is paid once, not per clause); each clause's first chunk is marked. Each step runs the rows that can go on, and decodes in one Mimi
 call the frames that carry audio on every codebook (the first ~19 of a stream are the text's lead
 on the audio). A stream ends when its row has made every frame of its text. DSM takes no context
 of the conversation, and no voice clip of a session: its voices are speaker embeddings.
@@ -112,13 +114,43 @@ class DSMEngine(StreamRows):
 
     def stream(self, text: str, context=None, speaker: str | None = None, reference=None, **_) -> TTSStream:
         """Queue ``text`` in voice ``speaker`` (a name; None: the default); it takes a row at a later step."""
+        s = self.open(speaker, reference)
+        self.say(s, text, final=True)
+        return s
+
+    def open(self, speaker: str | None = None, reference=None) -> TTSStream:
+        """A stream in voice ``speaker`` whose text comes clause by clause (:meth:`say`): one reply's
+        speech, its words joining as the LLM writes them. It takes a row at a later step."""
         self.voices.voice(speaker or "default", reference)
         if len(self._waiting) >= self.cfg.max_waiting:
             raise EngineBusy(f"all {self.num_slots} TTS slots are busy and {len(self._waiting)} streams wait")
         s = TTSStream(self, None, None, MAX_STEPS, 0, self.cfg.temperature)
-        s.text, s.voice = text, speaker or "default"
+        s.voice, s.said, s.starts, s.begun, s.ended = speaker or "default", [], [], 0, False
         self._waiting.append(s)
         return s
+
+    def say(self, s: TTSStream, clause: str, final: bool = False) -> None:
+        """The stream's next clause, whole words (``final``: its last). A clause that is not empty is
+        counted, and the chunk its audio begins with carries its index (``TTSStream.take_marked``)."""
+        if s.ended:
+            raise ValueError("this stream's last clause was already said")
+        s.ended = final
+        if s.closed:
+            return
+        if s.row is None:
+            s.said.append((clause, final))  # it goes in when the stream takes a row
+        else:
+            self._say(s, clause, final)
+
+    def _say(self, s: TTSStream, clause: str, final: bool) -> None:
+        if clause.strip():
+            s.starts.append(self.slots.made(s.row))  # the entry its first word gets
+        self.slots.push(s.row, clause if final else clause + " ", final)  # a space: its last word is whole
+
+    def has_work(self) -> bool:
+        """A step would do something: a waiting stream can take a free row, or a row can go on (a
+        row waiting for its next words does not step)."""
+        return bool(self._waiting) and None in self._rows or any(self.slots.ready(r) for r in range(self.num_slots))
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -142,6 +174,7 @@ class DSMEngine(StreamRows):
         for r in ran:
             s = self._rows[r]
             if audible[r]:
+                self._mark(s, len(self.slots.rows[r].frames) - 1)
                 s._add_frame(self._codes[r, :, 0].numpy().copy(), pcm[r])
             s.generated = self.slots.rows[r].steps
             if self.slots.done(r) or self.slots.rows[r].steps >= MAX_STEPS:
@@ -151,16 +184,31 @@ class DSMEngine(StreamRows):
             advanced.append(s)
         return advanced
 
+    def _mark(self, s: TTSStream, frame: int) -> None:
+        """Before frame ``frame`` (its time, in frames) joins ``s``: the clauses whose audio begins by
+        then (the step their first word went into the text, plus the model's audio delay; the first
+        clause begins the first audible frame, the model's lead-in before its word with it)."""
+        begun = None
+        while s.begun < len(s.starts):
+            took = self.slots.consumed_at(s.row, s.starts[s.begun])
+            if s.begun and (took is None or took + self.tts.delay_steps > frame):
+                break
+            begun, s.begun = s.begun, s.begun + 1
+        if begun is not None:
+            s._begin_clause(begun)
+
     def _admit(self) -> None:
         while self._waiting and None in self._rows:
             s = self._waiting.popleft()
             r = self._rows.index(None)
             self.slots.open(r, s.voice)
-            self.slots.push(r, s.text, final=True)
+            self._rows[r], s.row = s, r
+            for clause, final in s.said:
+                self._say(s, clause, final)
+            s.said.clear()
             reset = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
             reset[r] = True
             self.decoder.reset(reset)
-            self._rows[r], s.row = s, r
 
     def _release(self, s: TTSStream) -> None:
         r = s.row

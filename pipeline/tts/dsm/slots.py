@@ -42,6 +42,7 @@ class Row:
     final: bool = False  # every word is in
     started: bool = False  # the first word went in (it carries the speaker token)
     frames: list = field(default_factory=list)  # codes [32] of each frame made (with audio or not)
+    made: int = 0  # entries made of its words so far (consumed or queued)
 
 
 class DSMSlots:
@@ -123,6 +124,17 @@ class DSMSlots:
                                     padding_between=self.padding_between)
         r.started = r.started or bool(entries)
         r.state.entries.extend(entries)
+        r.made += len(entries)
+
+    def made(self, row: int) -> int:
+        """Entries made of the row's whole words so far: the index the next whole word's entry gets."""
+        return self.rows[row].made
+
+    def consumed_at(self, row: int, entry: int) -> int | None:
+        """The step at which the row's state machine took entry ``entry`` into the text, if it has:
+        its audio begins ``delay_steps`` frames later (as ``TTSModel.generate`` masks it)."""
+        times = self.rows[row].state.consumption_times
+        return times[entry] if entry < len(times) else None
 
     def ready(self, row: int) -> bool:
         """Whether the row can run its next step now."""
