@@ -8,7 +8,7 @@ from ray.serve import exceptions as serve_errors
 from ray.serve.handle import DeploymentHandle
 
 from pipeline.audio_constants import USER_RATE
-from pipeline.engines import (Backends, EngineUnavailable, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
+from pipeline.engines import (Backends, EngineUnavailable, Fed, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
                               Voice)
 
 # What Ray raises when the replica serving a call is gone or cannot be reached: the session
@@ -97,8 +97,9 @@ class RayBackends(Backends):
         await self._tts(uid).open.remote(uid, voice)
 
     @_engine_call
-    async def tts_say(self, uid: str, clause: str, final: bool = False) -> None:
-        await self._tts(uid).say.remote(uid, clause, final)
+    async def tts_feed(self, uid: str, clauses: list[str], final: bool = False) -> Fed:
+        return await self._tts(uid).feed.remote(uid, clauses, final)
 
-    def tts_chunks(self, uid: str) -> AsyncIterator[tuple[int | None, np.ndarray, np.ndarray]]:
-        return _remote_stream(self._tts(uid).options(stream=True).chunks.remote(uid))
+    @_engine_call
+    async def tts_close(self, uid: str) -> None:
+        await self._tts(uid).close.remote(uid)

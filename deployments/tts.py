@@ -27,12 +27,11 @@ class TTS(ModelReplica):
     async def open(self, uid: str, voice=None) -> None:
         await self.svc.open(uid, voice)
 
-    async def say(self, uid: str, clause: str, final: bool = False) -> None:
-        await self.svc.say(uid, clause, final)
+    async def feed(self, uid: str, clauses: list[str], final: bool = False):
+        return await self.svc.feed(uid, clauses, final)
 
-    async def chunks(self, uid: str):
-        async for item in self.svc.chunks(uid):
-            yield item
+    async def close(self, uid: str) -> None:
+        await self.svc.close(uid)
 
     async def encode(self, pcm, rate: int = USER_RATE):
         return await self.svc.encode(pcm, rate)

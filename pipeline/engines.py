@@ -105,6 +105,18 @@ class Voice:
     reference: Segment | None = None
 
 
+@dataclass(frozen=True)
+class Fed:
+    """What one feed of an utterance answers: the chunks made since the last, each (mark: the index
+    of the last clause whose audio begins in it, else None; int16 24 kHz pcm; codes [n, 32]);
+    ``ended``: its last chunk is among them; ``hungry``: it waits for more clauses (feed again when
+    the LLM has written some, not before)."""
+
+    chunks: list
+    ended: bool
+    hungry: bool
+
+
 class Backends(Protocol):
     """What a session needs from the engines. Audio crosses as contiguous numpy arrays.
 
@@ -142,16 +154,17 @@ class Backends(Protocol):
     @abstractmethod
     async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray: ...
 
-    # A TTS that takes words (DSM) speaks a reply as one utterance, its clauses said as the LLM writes
-    # them; it takes no conversation context. Where ``tts_words`` is False these raise NotImplementedError.
+    # A TTS that takes words (DSM) speaks a reply as one utterance: opened, then fed the clauses as the
+    # LLM writes them, one feed in flight at a time, each answering with the chunks made since the last
+    # (:class:`Fed`); closed if cut short. It takes no conversation context. Where ``tts_words`` is
+    # False these raise NotImplementedError.
     tts_words: bool = False
     @abstractmethod
     async def tts_open(self, uid: str, voice: Voice | None = None) -> None: ...  # raises EngineBusy
     @abstractmethod
-    async def tts_say(self, uid: str, clause: str, final: bool = False) -> None: ...  # whole words; raises UnknownStream
-    # (mark: the index of the last clause begun in the chunk, else None; int16 24 kHz chunk; codes [n, 32])
+    async def tts_feed(self, uid: str, clauses: list[str], final: bool = False) -> Fed: ...  # raises UnknownStream
     @abstractmethod
-    def tts_chunks(self, uid: str) -> AsyncIterator[tuple[int | None, np.ndarray, np.ndarray]]: ...
+    async def tts_close(self, uid: str) -> None: ...  # idempotent
 
 
 def takes_words(backends) -> bool:

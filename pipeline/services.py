@@ -17,7 +17,7 @@ import numpy as np
 from pipeline import metrics
 from pipeline.runtime.threads import InferenceThread
 from pipeline.audio_constants import USER_RATE
-from pipeline.engines import Backends, EngineBusy, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall, UnknownStream, Voice
+from pipeline.engines import Backends, EngineBusy, Fed, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall, UnknownStream, Voice
 from pipeline.llm.tool_calls import ToolCallParser
 
 if TYPE_CHECKING:
@@ -326,8 +326,8 @@ class TTSService:
         return hasattr(self.engine, "say")
 
     async def open(self, uid: str, voice: Voice | None = None) -> None:
-        """Open utterance ``uid`` (one reply's speech) in ``voice``: its clauses come by :meth:`say`,
-        its audio by :meth:`chunks`. Reopening an open id restarts it. Utterances nobody reads and no
+        """Open utterance ``uid`` (one reply's speech) in ``voice``: its clauses go in and its audio
+        comes out by :meth:`feed`. Reopening an open id restarts it. Utterances nobody reads and no
         call touched for ``unread_after_s`` (their reply gone before it read them) are closed here,
         where a new one may need their rows."""
         if not self.takes_words:
@@ -343,24 +343,48 @@ class TTSService:
         self._utterances[uid] = (await self.thread.open(self.engine.open, profile.speaker, profile.reference), now)
         self._ensure_stepping()
 
-    async def say(self, uid: str, clause: str, final: bool = False) -> None:
-        """Utterance ``uid``'s next clause (whole words; ``final``: its last)."""
+    async def feed(self, uid: str, clauses: list[str], final: bool = False, wait_s: float = 0.5) -> Fed:
+        """Say ``clauses`` (whole words; ``final``: the utterance's text is all in) into utterance
+        ``uid``, then give the chunks made since the last feed, waiting up to ``wait_s`` for the
+        first one, unless the utterance waits for words (``Fed.hungry``: then nothing comes until
+        more clauses do). One call in flight per utterance: its caller feeds again once this
+        answers, with the clauses the LLM wrote meanwhile."""
         s = self._utterance(uid)
         self._utterances[uid] = (s, time.monotonic())
-        await self.thread.run(self.engine.say, s, clause, final)
-        self._ensure_stepping()
-
-    async def chunks(self, uid: str) -> AsyncIterator[tuple[int | None, np.ndarray, np.ndarray]]:
-        """Utterance ``uid``'s audio as (clause mark, int16 chunk, codes [n, 32]): the mark is the index
-        of the last clause whose audio begins in the chunk, else None. Ends once its last clause is
-        spoken; leaving early closes the utterance."""
-        s = self._utterance(uid)
+        if clauses or final:  # one hop to the inference thread for all of them
+            await self.thread.run(self._say, s, clauses, final)
+        wake = self._wakeups[s] = asyncio.Event()
+        chunks: list = []
         try:
-            async for item in self._chunks_of(s, time.perf_counter()):
-                yield item
+            self._ensure_stepping()
+            async with asyncio.timeout(wait_s):
+                while True:
+                    wake.clear()
+                    ended, hungry = s.finished, self.engine.hungry(s)  # read before taking, as in _chunks_of
+                    while (item := s.take_marked()) is not None:
+                        chunks.append(item)
+                    if chunks or ended or hungry:
+                        break
+                    if self._failure is not None:
+                        raise RuntimeError("TTS engine step failed") from self._failure
+                    await wake.wait()
+        except TimeoutError:
+            ended = hungry = False
         finally:
-            if self._utterances.get(uid, (None,))[0] is s:
-                del self._utterances[uid]
+            self._wakeups.pop(s, None)
+        if ended:
+            self._utterances.pop(uid, None)
+        return Fed(chunks, ended, hungry and not ended)
+
+    def _say(self, s, clauses: list[str], final: bool) -> None:
+        for i, clause in enumerate(clauses or [""]):
+            self.engine.say(s, clause, final and i == max(len(clauses), 1) - 1)
+
+    async def close(self, uid: str) -> None:
+        """End utterance ``uid`` now (its reply was cut short), freeing its row; idempotent."""
+        s, _ = self._utterances.pop(uid, (None, None))
+        if s is not None and not s.finished:
+            await self._cancel(s)
 
     def _utterance(self, uid: str):
         try:
@@ -470,8 +494,8 @@ class LocalBackends(Backends):
     async def tts_open(self, uid: str, voice: Voice | None = None) -> None:
         await self.tts.open(uid, voice)
 
-    async def tts_say(self, uid: str, clause: str, final: bool = False) -> None:
-        await self.tts.say(uid, clause, final)
+    async def tts_feed(self, uid: str, clauses: list[str], final: bool = False) -> Fed:
+        return await self.tts.feed(uid, clauses, final)
 
-    def tts_chunks(self, uid: str) -> AsyncIterator[tuple[int | None, np.ndarray, np.ndarray]]:
-        return self.tts.chunks(uid)
+    async def tts_close(self, uid: str) -> None:
+        await self.tts.close(uid)

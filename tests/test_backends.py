@@ -24,8 +24,8 @@ def _methods(cls) -> dict:
 
 def test_the_protocol_has_the_session_calls():
     assert set(_methods(Backends)) == {"stt_open", "stt_push", "stt_finish", "stt_peek", "stt_close",
-                                       "llm_stream", "tts_stream", "tts_encode", "tts_open", "tts_say",
-                                       "tts_chunks"}
+                                       "llm_stream", "tts_stream", "tts_encode", "tts_open", "tts_feed",
+                                       "tts_close"}
 
 
 @pytest.mark.parametrize("cls", IMPLEMENTATIONS, ids=lambda c: c.__name__)

@@ -5,10 +5,8 @@ does not hear it or the voice does not speak it; heard (the session's spoken tur
 recogniser in that language, whose transcript is the model's own offline pass in that language)
 and spoken (a French voice answers typed and spoken turns).
 
-Not asserted here: the gap between a reply's clauses on DSM. Each clause is a DSM stream of its own
-for now, and a stream's first audio comes ~19 steps after its text (the text leads the audio by
-1.28 s in the model), which on this CPU can exceed 500 ms between two short clauses; feeding one
-stream per reply word by word is what removes it (docs/tts.md, "A second family")."""
+A reply on DSM is one utterance fed clause by clause (tests/test_tts_words.py); its gaps are
+measured on the served app (docs/measurements/tts.md), not timed here."""
 from __future__ import annotations
 
 import asyncio

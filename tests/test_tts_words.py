@@ -1,6 +1,6 @@
 """A reply on a TTS that takes words (Kyutai's DSM, tiny, greedy, in-process): one utterance per
-reply, each clause said into it as the LLM writes it (pipeline/conversation/synthesis.py), never a
-TTS stream per clause, and no Mimi encode of the user's turns (DSM takes no context). The reply's
+reply, its clauses fed as the LLM writes them (pipeline/conversation/synthesis.py), never a TTS
+stream per clause, and no Mimi encode of the user's turns (DSM takes no context). The reply's
 clause marks (where each clause's audio begins, kept in the history for a cut) are those the
 engine gives the same clauses said to it directly; a session closed mid-reply frees its TTS row."""
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Scripted:
         b = engines  # fresh services: their asyncio state belongs to one event loop
         self.inner = LocalBackends(STTService(b.stt.engine, b.stt.thread), LLMService(b.llm.engine, b.llm.thread),
                                    TTSService(b.tts.engine, b.tts.thread))
-        self.gate, self.calls = gate, {"tts_stream": 0, "tts_encode": 0, "tts_open": 0, "tts_say": 0}
+        self.gate, self.calls = gate, {"tts_stream": 0, "tts_encode": 0, "tts_open": 0, "tts_feed": 0, "tts_close": 0}
 
     def __getattr__(self, name):
         if name in self.calls:
@@ -77,7 +77,8 @@ def test_a_reply_is_one_utterance_fed_clause_by_clause_with_its_clauses_marked(e
     msgs, item = asyncio.run(go())
     assert spy.calls["tts_stream"] == 0 and spy.calls["tts_encode"] == 0 and spy.calls["tts_open"] == 1
     clauses = [text for _, text in item.clauses]
-    assert len(clauses) >= 3 and " ".join(clauses) == REPLY and spy.calls["tts_say"] == len(clauses) + 1
+    assert len(clauses) >= 3 and " ".join(clauses) == REPLY and spy.calls["tts_feed"] > 1
+    assert spy.calls["tts_close"] == 0  # it ended by itself
     pcm_out = np.concatenate([np.frombuffer(m["pcm"], "<i2") for m in msgs if m["type"] == "audio"])
     assert len(pcm_out) == item.audio_samples
 
@@ -120,4 +121,4 @@ def test_a_session_closed_mid_reply_frees_its_row(engines):
         return held, engines.tts.engine.active_requests
 
     held, left = asyncio.run(go())
-    assert (held, left) == (1, 0)
+    assert (held, left) == (1, 0) and spy.calls["tts_close"] == 1

@@ -74,63 +74,64 @@ async def synthesize(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, start
 
 
 async def synthesize_words(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, started: float) -> None:
-    """A reply's clauses said into one TTS utterance as they come, its chunks into ``chunks`` as
-    :func:`synthesize` puts them (the clauses a chunk begins, joined, on it). The utterance's next
-    chunk must come within ``engine_timeout_s`` of the last chunk or clause, except while the
-    LLM's next clause is awaited (the TTS then owes nothing it has been told)."""
+    """A reply's clauses fed into one TTS utterance as they come, its chunks into ``chunks`` as
+    :func:`synthesize` puts them (the clauses a chunk begins, joined, on it). One feed in flight
+    at a time (each answers with the chunks made since the last); while the utterance waits for
+    words the next clause is awaited, not polled. A feed must answer within ``engine_timeout_s``,
+    and the utterance make audio within it of its last words or chunk."""
     host = reply.host
-    timeout_s = host.cfg.engine_timeout_s
+    backends, timeout_s = host.backends, host.cfg.engine_timeout_s
     waits = reply.air.stages
     uid = uuid.uuid4().hex
-    said: list[str] = []  # the clauses said so far (not empty)
-    loop = asyncio.get_running_loop()
-    awaiting_llm = False
-
-    async def feed(clause: str | None, deadline: asyncio.Timeout) -> None:
-        nonlocal awaiting_llm
-        while True:
-            if clause is not None and clause.strip():
-                said.append(clause)
-            await bounded(host.backends.tts_say(uid, clause or "", clause is None), timeout_s)
-            if clause is None:
-                return
-            waits.wait("synthesis", LLM)
-            awaiting_llm = True
-            deadline.reschedule(None)
-            clause = await clauses.get()
-            awaiting_llm = False
-            waits.wait("synthesis", TTS)
-            deadline.reschedule(loop.time() + timeout_s)
-
-    async def hear(deadline: asyncio.Timeout) -> None:
-        told = 0  # clauses whose text went out with a chunk
-        async with contextlib.aclosing(host.backends.tts_chunks(uid)) as made:
-            async for mark, pcm, codes in made:
-                reply.mark("tts_first_chunk_ms", started)
-                text = None
-                if mark is not None and mark >= told:
-                    text, told = " ".join(said[told:mark + 1]), mark + 1
-                chunks.put_nowait((text, pcm, codes))
-                if not awaiting_llm:
-                    deadline.reschedule(loop.time() + timeout_s)
-
+    said: list[str] = []  # the clauses fed so far (not empty)
+    told = 0  # of them, those whose text went out with a chunk
+    ended = False
     try:
         waits.wait("synthesis", LLM)
-        if (first := await clauses.get()) is None:
+        if (clause := await clauses.get()) is None:
+            ended = True
             return
         waits.wait("synthesis", TTS)
         if reply.ahead is not None and reply.ahead.first is not None:
             await reply.ahead.first.cancel()  # (none is started where the TTS takes words)
         reply.mark("tts_request_ms", started)
-        await bounded(host.backends.tts_open(uid, host.reply_voice(reply)), timeout_s)
-        try:
-            async with asyncio.timeout(loop.time() + timeout_s) as deadline, asyncio.TaskGroup() as both:
-                both.create_task(feed(first, deadline))
-                both.create_task(hear(deadline))
-        except BaseExceptionGroup as group:  # the first failure, as a lone task would raise it
-            raise group.exceptions[0] from None
-    except TimeoutError:
-        raise EngineUnavailable(f"the TTS made no audio within {timeout_s:g} s") from None
+        await bounded(backends.tts_open(uid, host.reply_voice(reply)), timeout_s)
+        new, final, hungry = [clause], False, False
+        progress = asyncio.get_running_loop().time()
+        while True:
+            if hungry and not new and not final:
+                waits.wait("synthesis", LLM)  # the TTS has said all it was given
+                new.append(await clauses.get())
+                waits.wait("synthesis", TTS)
+                progress = asyncio.get_running_loop().time()
+            while not clauses.empty():
+                new.append(clauses.get_nowait())
+            if new and new[-1] is None:
+                new.pop()
+                final = True
+            fed = await bounded(backends.tts_feed(uid, new, final), timeout_s)
+            said += [c for c in new if c.strip()]
+            new = []
+            for mark, pcm, codes in fed.chunks:
+                reply.mark("tts_first_chunk_ms", started)
+                text = None
+                if mark is not None and mark >= told:
+                    text, told = " ".join(said[told:mark + 1]), mark + 1
+                chunks.put_nowait((text, pcm, codes))
+            ended, hungry = fed.ended, fed.hungry
+            if ended:
+                return
+            now = asyncio.get_running_loop().time()
+            if fed.chunks or hungry:
+                progress = now
+            elif now - progress > timeout_s:
+                raise EngineUnavailable(f"the TTS made no audio within {timeout_s:g} s")
+            if final:
+                final = False  # said once; the next feeds only take what was made
+                new, hungry = [], False
     finally:
         waits.done("synthesis")
         chunks.put_nowait(None)
+        if not ended:  # cut short: free its row now (shielded: this task may be cancelled)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(backends.tts_close(uid))

@@ -147,6 +147,10 @@ class DSMEngine(StreamRows):
             s.starts.append(self.slots.made(s.row))  # the entry its first word gets
         self.slots.push(s.row, clause if final else clause + " ", final)  # a space: its last word is whole
 
+    def hungry(self, s: TTSStream) -> bool:
+        """``s`` holds a row and waits for more words before it can go on (its text is not all in)."""
+        return not s.ended and s.row is not None and not self.slots.ready(s.row)
+
     def has_work(self) -> bool:
         """A step would do something: a waiting stream can take a free row, or a row can go on (a
         row waiting for its next words does not step)."""
