@@ -51,9 +51,14 @@ class OpenSpy:
         self.inner = LocalBackends(STTService(b.stt.engine, b.stt.thread), LLMService(b.llm.engine, b.llm.thread),
                                    TTSService(b.tts.engine, b.tts.thread))
         self.opened: list[str | None] = []
+        self.prompts: list[list[dict]] = []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    def llm_stream(self, messages, sampling):
+        self.prompts.append(messages)
+        return self.inner.llm_stream(messages, sampling)
 
     async def stt_open(self, sid, language=None):
         self.opened.append(language)
@@ -100,6 +105,8 @@ def test_a_v1_session_in_french_is_heard_in_french(engines):
     assert "voice 'default' speaks ['en'], not 'fr'" in errors[2]["message"] and "no voice clip" in errors[3]["message"]
     assert [m["settings"]["language"] for m in msgs if m["type"] == "session.updated"] == ["fr"]
     assert spy.opened == ["fr"]
+    # the LLM is told the language of each reply (its first message, the system's)
+    assert spy.prompts and all(p[0]["role"] == "system" and "'fr'" in p[0]["content"] for p in spy.prompts)
     final = next(m for m in msgs if m["type"] == "transcript.final")
     engine = engines.stt.engine
     heard = offline_tokens(engine.model, pcm.astype(np.float32) / 32768.0, "fr")

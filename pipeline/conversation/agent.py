@@ -73,8 +73,13 @@ class AgentSettings:
         return Voice(self.voice, self.voice_reference)
 
     def messages(self, history: list[dict]) -> list[dict]:
-        """The LLM's messages: the instructions (if set) as the system message, then the history."""
-        return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
+        """The LLM's messages: the instructions (if set) as the system message, then the history. A
+        session's language is told to the LLM there too (the user speaks it and the voice speaks
+        the reply in it)."""
+        system = [self.instructions] if self.instructions else []
+        if self.language:
+            system.append(f"The user speaks the language {self.language!r} (a BCP 47 code); reply in it.")
+        return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + history
 
     def updated(self, changes: dict[str, Any], voices: Collection[str],
                 offer: VoiceOffer = VoiceOffer()) -> "AgentSettings":
