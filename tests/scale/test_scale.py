@@ -181,7 +181,7 @@ def test_every_stream_stays_on_its_replica(cluster, offline_text):
     replicas = {r["unique_id"] for r in cluster.replicas("STT")}
 
     async def go():
-        convs, owner = await _sessions_on(replicas, per_replica=1, total=6)
+        convs, owner = await _sessions_on(replicas, per_replica=1, total=4)
         try:
             unknown_before = sum(by_replica(UNKNOWN).values())
             before = by_replica(OPENED)
