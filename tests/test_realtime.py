@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 import warnings
 
 import numpy as np
@@ -81,10 +82,12 @@ class Wire:
 
     def __init__(self):
         self.events: list[dict] = []
+        self.times: list[float] = []  # arrival of each event (monotonic)
         self._arrived = asyncio.Condition()
 
     async def __call__(self, frame: str) -> None:
         self.events.append(json.loads(frame))
+        self.times.append(time.monotonic())
         async with self._arrived:
             self._arrived.notify_all()
 

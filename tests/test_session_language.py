@@ -5,8 +5,9 @@ does not hear it or the voice does not speak it; heard (the session's spoken tur
 recogniser in that language, whose transcript is the model's own offline pass in that language)
 and spoken (a French voice answers typed and spoken turns).
 
-A reply on DSM is one utterance fed clause by clause (tests/test_tts_words.py); its gaps are
-measured on the served app (docs/measurements/tts.md), not timed here."""
+A reply on DSM is one utterance fed clause by clause (tests/test_tts_words.py): no chunk of a
+French reply arrives more than 500 ms after the one before (paced to real time, so a stall of the
+TTS would show), as the served app's gap test asks of CSM (tests/e2e/test_door.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -36,6 +37,7 @@ TTS = TTSConfig.tiny(family="dsm", num_slots=2, voices={
     "default": {"voice": "expresso/ex03-ex01_happy_001_channel1_334s.wav", "languages": ["en"]},
     "marie": {"voice": "cml-tts/fr/2154_2576_000020.wav", "languages": ["fr"]}})
 OFFER = offer_of({"stt": STT, "tts": TTS})
+MAX_GAP_S = 0.5  # the issue's bar for a reply's audio: no chunk later than this after the one before
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +97,9 @@ def test_a_v1_session_in_french_is_heard_in_french(engines):
         await s.on_frame(P.client_text("Et maintenant, une question écrite."))
         await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
         await s.close()
-        return ready, rec.msgs
+        return ready, rec.msgs, rec.times
 
-    ready, msgs = asyncio.run(go())
+    ready, msgs, times = asyncio.run(go())
     assert ready["languages"] == list(OFFER.heard) and ready["voice_languages"]["marie"] == ["fr"]
     errors = [m for m in msgs if m["type"] == "error"]
     assert [e["param"] for e in errors] == ["language", "language", "voice", "voice.clip"]
@@ -112,8 +114,10 @@ def test_a_v1_session_in_french_is_heard_in_french(engines):
     heard = offline_tokens(engine.model, pcm.astype(np.float32) / 32768.0, "fr")
     assert final["text"] == engine._text(heard)
     assert engine._text(heard) != engine._text(offline_tokens(engine.model, pcm.astype(np.float32) / 32768.0, "de"))
-    for turn in (1, 2):  # each reply spoken, by the French voice
+    for turn in (1, 2):  # each reply spoken, by the French voice, with no gap over 500 ms between its chunks
         assert sum(len(m["pcm"]) for m in msgs if m["type"] == "audio" and m["turn"] == turn) > 0.5 * 24_000 * 2, turn
+        arrived = [t for m, t in zip(msgs, times) if m["type"] == "audio" and m["turn"] == turn]
+        assert max(np.diff(arrived)) <= MAX_GAP_S, (turn, max(np.diff(arrived)))
 
 
 def test_a_realtime_session_sets_its_language_through_transcription(engines):
@@ -151,10 +155,13 @@ def test_a_realtime_session_sets_its_language_through_transcription(engines):
     assert "voice 'default' speaks ['en'], not 'de'" in errors[1]["error"]["message"]
     assert wire.of("session.updated")[-2]["session"]["audio"]["input"]["transcription"]["language"] == "fr-CA"
     assert spy.opened == ["fr-CA"]  # the recogniser hears it as French (its primary subtag)
-    for done in wire.of("response.done"):  # the spoken turn's reply and the typed turn's, both aloud
+    for done in wire.of("response.done"):  # the spoken turn's reply and the typed turn's, both aloud, no gap over 500 ms
         rid = done["response"]["id"]
         assert sum(len(base64.b64decode(e["delta"])) for e in wire.of("response.output_audio.delta")
                    if e["response_id"] == rid) > 0.5 * 24_000 * 2, rid
+        arrived = [t for e, t in zip(wire.events, wire.times)
+                   if e["type"] == "response.output_audio.delta" and e["response_id"] == rid]
+        assert max(np.diff(arrived)) <= MAX_GAP_S, (rid, max(np.diff(arrived)))
 
 
 def test_a_phone_agent_in_a_language_no_voice_speaks_stops_the_start():

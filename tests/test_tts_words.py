@@ -14,6 +14,7 @@ from pipeline.adapters.v1 import protocol as P
 from pipeline.adapters.v1.adapter import Session
 from pipeline.audio import speech_like
 from pipeline.llm.config import LLMConfig
+from pipeline.runtime.compile_guard import CompileCounter
 from pipeline.services import LLMService, LocalBackends, STTService, TTSService
 from pipeline.session_config import SessionConfig
 from pipeline.stt.config import STTConfig
@@ -59,8 +60,12 @@ def _session(rec, backends) -> Session:
 
 
 def test_a_reply_is_one_utterance_fed_clause_by_clause_with_its_clauses_marked(engines):
+    """Also the turn-boundary stall's construction on this family (docs/stall.md): the user's turn
+    is never encoded and nothing is compiled, whatever the lengths."""
     spy = Scripted(engines)
     pcm = speech_like(1.2, seed=5)
+    counter = CompileCounter().install()
+    compiled = counter.total
 
     async def go():
         rec = Recorder()
@@ -75,6 +80,7 @@ def test_a_reply_is_one_utterance_fed_clause_by_clause_with_its_clauses_marked(e
         return rec.msgs, item
 
     msgs, item = asyncio.run(go())
+    assert counter.total == compiled
     assert spy.calls["tts_stream"] == 0 and spy.calls["tts_encode"] == 0 and spy.calls["tts_open"] == 1
     clauses = [text for _, text in item.clauses]
     assert len(clauses) >= 3 and " ".join(clauses) == REPLY and spy.calls["tts_feed"] > 1
