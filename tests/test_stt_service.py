@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from pipeline import services as services_module
+from pipeline.services import stt as services_module
 from pipeline.services import STTService
 from pipeline.engines import UnknownStream
 from pipeline.stt.engine import NoFreeSlot, STTEvent

@@ -1,4 +1,4 @@
-"""The DSM family behind the TTS engine contract ``TTSService`` steps (``pipeline/services.py``): the
+"""The DSM family behind the TTS engine contract ``TTSService`` steps (``pipeline/services/tts.py``): the
 same ``stream`` / ``step`` / ``cancel`` and :class:`~pipeline.tts.stream.TTSStream` chunks as CSM's
 engine, over :class:`~pipeline.tts.dsm.slots.DSMSlots` and one batched Mimi decode per step.
 
