@@ -5,10 +5,11 @@ engine, over :class:`~pipeline.tts.dsm.slots.DSMSlots` and one batched Mimi deco
 A stream takes a free row when one is free (else it waits, first come first served), with its
 voice. Its text goes in whole (:meth:`DSMEngine.stream`, a clause) or clause by clause as the LLM
 writes them (:meth:`DSMEngine.open`, then :meth:`DSMEngine.say`: one stream per reply, so the
-model's lead of text on audio is paid once, not per clause); each clause's first chunk is marked. Each step runs the rows that can go on, and decodes in one Mimi
-call the frames that carry audio on every codebook (the first ~19 of a stream are the text's lead
-on the audio). A stream ends when its row has made every frame of its text. DSM takes no context
-of the conversation, and no voice clip of a session: its voices are speaker embeddings.
+model's lead of text on audio is paid once, not per clause); each clause's first chunk is marked.
+Each step runs the rows that can go on, and decodes in one Mimi call the frames that carry audio
+on every codebook (the first ~19 of a stream are the text's lead on the audio). A stream ends when
+its row has made every frame of its text. DSM takes no context of the conversation, and no voice
+clip of a session: its voices are speaker embeddings.
 """
 from __future__ import annotations
 
