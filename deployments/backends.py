@@ -97,8 +97,8 @@ class RayBackends(Backends):
         await self._tts(uid).open.remote(uid, voice)
 
     @_engine_call
-    async def tts_feed(self, uid: str, clauses: list[str], final: bool = False) -> Fed:
-        return await self._tts(uid).feed.remote(uid, clauses, final)
+    async def tts_feed(self, uid: str, pieces: list[tuple[str, bool]], final: bool = False) -> Fed:
+        return await self._tts(uid).feed.remote(uid, pieces, final)
 
     @_engine_call
     async def tts_close(self, uid: str) -> None:

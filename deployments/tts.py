@@ -27,8 +27,8 @@ class TTS(ModelReplica):
     async def open(self, uid: str, voice=None) -> None:
         await self.svc.open(uid, voice)
 
-    async def feed(self, uid: str, clauses: list[str], final: bool = False):
-        return await self.svc.feed(uid, clauses, final)
+    async def feed(self, uid: str, pieces: list[tuple[str, bool]], final: bool = False):
+        return await self.svc.feed(uid, pieces, final)
 
     async def close(self, uid: str) -> None:
         await self.svc.close(uid)

@@ -109,7 +109,7 @@ class Voice:
 class Fed:
     """What one feed of an utterance answers: the chunks made since the last, each (mark: the index
     of the last clause whose audio begins in it, else None; int16 24 kHz pcm; codes [n, 32]);
-    ``ended``: its last chunk is among them; ``hungry``: it waits for more clauses (feed again when
+    ``ended``: its last chunk is among them; ``hungry``: it waits for more words (feed again when
     the LLM has written some, not before)."""
 
     chunks: list
@@ -154,15 +154,15 @@ class Backends(Protocol):
     @abstractmethod
     async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray: ...
 
-    # A TTS that takes words (DSM) speaks a reply as one utterance: opened, then fed the clauses as the
-    # LLM writes them, one feed in flight at a time, each answering with the chunks made since the last
-    # (:class:`Fed`); closed if cut short. It takes no conversation context. Where ``tts_words`` is
+    # A TTS that takes words (DSM) speaks a reply as one utterance: opened, then fed its whole words as
+    # the LLM writes them, in pieces (words, whether they begin a clause), one feed in flight at a time,
+    # each answering with the chunks made since the last (:class:`Fed`); closed if cut short. It takes no conversation context. Where ``tts_words`` is
     # False these raise NotImplementedError.
     tts_words: bool = False
     @abstractmethod
     async def tts_open(self, uid: str, voice: Voice | None = None) -> None: ...  # raises EngineBusy
     @abstractmethod
-    async def tts_feed(self, uid: str, clauses: list[str], final: bool = False) -> Fed: ...  # raises UnknownStream
+    async def tts_feed(self, uid: str, pieces: list[tuple[str, bool]], final: bool = False) -> Fed: ...  # raises UnknownStream
     @abstractmethod
     async def tts_close(self, uid: str) -> None: ...  # idempotent
 

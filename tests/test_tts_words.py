@@ -34,21 +34,30 @@ class Scripted:
     """Real STT and TTS; an LLM that writes ``REPLY`` a word at a time (``gate``: it waits there
     before its last words until the test opens it); counts the TTS calls of each kind."""
 
-    def __init__(self, engines, gate: asyncio.Event | None = None):
+    def __init__(self, engines, gate: asyncio.Event | None = None, hold_at: int = -3):
         b = engines  # fresh services: their asyncio state belongs to one event loop
         self.inner = LocalBackends(STTService(b.stt.engine, b.stt.thread), LLMService(b.llm.engine, b.llm.thread),
                                    TTSService(b.tts.engine, b.tts.thread))
-        self.gate, self.calls = gate, {"tts_stream": 0, "tts_encode": 0, "tts_open": 0, "tts_feed": 0, "tts_close": 0}
+        self.gate, self.hold_at = gate, hold_at % len(REPLY.split(" "))
+        self.calls = {"tts_stream": 0, "tts_encode": 0, "tts_open": 0, "tts_feed": 0, "tts_close": 0}
+        self.fed: list[list[tuple[str, bool]]] = []  # the pieces of each feed
+        self.fed_one = asyncio.Event()
 
     def __getattr__(self, name):
         if name in self.calls:
             self.calls[name] += 1
         return getattr(self.inner, name)
 
+    async def tts_feed(self, uid, pieces, final=False):
+        self.calls["tts_feed"] += 1
+        self.fed.append(list(pieces))
+        self.fed_one.set()
+        return await self.inner.tts_feed(uid, pieces, final)
+
     async def llm_stream(self, messages, sampling):
         words = REPLY.split(" ")
         for i, word in enumerate(words):
-            if self.gate is not None and i == len(words) - 3:
+            if self.gate is not None and i == self.hold_at:
                 await self.gate.wait()
             await asyncio.sleep(0)  # (a yield, as a stream's deltas come)
             yield word + (" " if i < len(words) - 1 else "")
@@ -128,3 +137,33 @@ def test_a_session_closed_mid_reply_frees_its_row(engines):
 
     held, left = asyncio.run(go())
     assert (held, left) == (1, 0) and spy.calls["tts_close"] == 1
+
+
+def test_the_tts_is_fed_the_first_words_before_the_first_clause_is_written(engines):
+    """DSM starts on the first words: the LLM holds before the last word of its first clause, and
+    the utterance has been fed the words before it, as the clause's beginning; the clause, once
+    written, is the first of the reply's clauses, and the reply is spoken to its end."""
+    gate = asyncio.Event()
+    spy = Scripted(engines, gate, hold_at=3)  # "Hello there, my " written; "friend." held
+
+    async def go():
+        rec = Recorder()
+        s = _session(rec, spy)
+        await s.start()
+        await s.on_frame(P.client_text("Hello?"))
+        while True:  # until the words written so far have all been fed (the LLM holds the rest)
+            spy.fed_one.clear()
+            pieces = [p for feed in spy.fed for p in feed]
+            if " ".join(t for t, _ in pieces) == "Hello there, my":
+                break
+            await asyncio.wait_for(spy.fed_one.wait(), 30)
+        gate.set()
+        await rec.wait(lambda m: m["type"] == "response.done")
+        item = [it for it in s.core.shared.history.items if it.role == "assistant"][-1]
+        await s.close()
+        return pieces, item, rec.msgs
+
+    pieces, item, msgs = asyncio.run(go())
+    assert [begins for _, begins in pieces] == [True] + [False] * (len(pieces) - 1)  # one clause begun
+    assert item.clauses[0] == (0, "Hello there, my friend.") and " ".join(t for _, t in item.clauses) == REPLY
+    assert next(m for m in msgs if m["type"] == "response.done")["interrupted"] is False

@@ -37,6 +37,11 @@ class ClauseSplitter:
                 out.append(clause)
         return out
 
+    @property
+    def pending(self) -> str:
+        """The clause being written: its text so far, not yet cut."""
+        return self._buf
+
     def flush(self) -> list[str]:
         """The rest of the reply, once the token stream ended."""
         rest, self._buf = self._buf.strip(), ""

@@ -75,6 +75,10 @@ class Reply:
         self.status = IN_PROGRESS
         self.reason: str | None = None  # why it was cancelled or incomplete
         self.text = ""  # everything the LLM wrote
+        # The clause the LLM is writing, its text so far (its clauses before it are on the queue), and
+        # an event set whenever either changes: a TTS that takes words is fed from them.
+        self.writing = ""
+        self.wrote = asyncio.Event()
         self.spoken: list[tuple[int, str]] = []  # (first sample, clause) of each clause whose audio was sent
         self.samples = 0  # audio samples sent
         self.codes: list[np.ndarray] = []  # codes of the audio sent
@@ -198,6 +202,7 @@ class Reply:
                         if not self.calls:  # a call ends the speaking: what came before it is said
                             for clause in splitter.flush():
                                 clauses.put_nowait(clause)
+                            self._written("")
                         self.calls.append(delta)
                         await host.reply_tool_call(self, delta)
                         continue
@@ -210,10 +215,12 @@ class Reply:
                     for clause in splitter.push(delta):
                         self.mark("first_clause_ms", started)
                         clauses.put_nowait(clause)
+                    self._written(splitter.pending)
             for clause in splitter.flush():
                 self.mark("first_clause_ms", started)
                 clauses.put_nowait(clause)
             clauses.put_nowait(None)
+            self._written("")
             if speaker is not None:
                 await speaker
         except BaseException as exc:
@@ -223,6 +230,10 @@ class Reply:
             if isinstance(exc, asyncio.CancelledError) and self.encoding is not None:
                 self.encoding.cancel()
             raise
+
+    def _written(self, pending: str) -> None:
+        self.writing = pending
+        self.wrote.set()
 
     def mark(self, name: str, started: float) -> None:
         self.marks.setdefault(name, 1000 * (self.host.clock() - started))

@@ -5,9 +5,10 @@ is made as soon as the previous one is, not when it has been played. What it wai
 next clause, or the TTS) is kept on the reply's dead-air clock.
 
 A TTS that takes words (DSM, ``Backends.tts_words``) speaks the whole reply as one utterance
-instead (:func:`synthesize_words`): each clause is said into it as the LLM writes it, and its
-audio comes back as one stream whose chunks mark where each clause begins. A stream per clause
-would pay the model's lead of text on audio (about two seconds of frames) at every clause.
+instead (:func:`synthesize_words`): its words are fed as the LLM writes them, so it starts on the
+first words, not the first clause, and its audio comes back as one stream whose chunks mark where
+each clause begins. A stream per clause would pay the model's lead of text on audio (about two
+seconds of frames) at every clause.
 """
 from __future__ import annotations
 
@@ -73,65 +74,111 @@ async def synthesize(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, start
         chunks.put_nowait(None)
 
 
+class Words:
+    """A reply's words as the LLM writes them, for a TTS that takes words: the clauses the splitter
+    cut (from the queue) and the whole words of the one being written (``Reply.writing``), with
+    where each clause begins (a word index)."""
+
+    def __init__(self, reply, clauses: asyncio.Queue):
+        self.reply, self.clauses = reply, clauses
+        self.cut: list[str] = []  # the clauses cut so far
+        self.words: list[str] = []  # their words
+        self.starts = [0]  # the word each clause begins at (the last: the one being written)
+        self.done = False  # the LLM has written its last word
+        self.fed = 0  # words fed so far
+
+    def take(self) -> None:
+        """What the LLM wrote since the last look (the queue and ``writing`` change together)."""
+        while not self.clauses.empty():
+            clause = self.clauses.get_nowait()
+            if clause is None:
+                self.done = True
+                continue
+            self.cut.append(clause)
+            self.words += clause.split()
+            self.starts.append(len(self.words))
+
+    def pieces(self) -> list[tuple[str, bool]]:
+        """The whole words not fed yet, in pieces cut where a clause begins: (words, begins a clause)."""
+        writing = self.reply.writing
+        more = writing.split()
+        if more and not writing[-1].isspace():
+            more = more[:-1]  # its last word may go on
+        known = self.words + more
+        out = []
+        while self.fed < len(known):
+            end = next((b for b in self.starts if b > self.fed), len(known))
+            end = min(end, len(known))
+            out.append((" ".join(known[self.fed:end]), self.fed in self.starts))
+            self.fed = end
+        return out
+
+
 async def synthesize_words(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, started: float) -> None:
-    """A reply's clauses fed into one TTS utterance as they come, its chunks into ``chunks`` as
-    :func:`synthesize` puts them (the clauses a chunk begins, joined, on it). One feed in flight
-    at a time (each answers with the chunks made since the last); while the utterance waits for
-    words the next clause is awaited, not polled. A feed must answer within ``engine_timeout_s``,
-    and the utterance make audio within it of its last words or chunk."""
+    """A reply fed into one TTS utterance word by word as the LLM writes it (whole words, cut where a
+    clause begins), its chunks into ``chunks`` as :func:`synthesize` puts them (the clauses begun
+    by a chunk, once the splitter has cut them, on it). One feed in flight at a time (each answers
+    with the chunks made since the last); while the utterance waits for words the LLM is awaited,
+    not polled. A feed must answer within ``engine_timeout_s``, and the utterance make audio within
+    it of its last words or chunk."""
     host = reply.host
     backends, timeout_s = host.backends, host.cfg.engine_timeout_s
     waits = reply.air.stages
     uid = uuid.uuid4().hex
-    said: list[str] = []  # the clauses fed so far (not empty)
-    told = 0  # of them, those whose text went out with a chunk
-    ended = False
+    words = Words(reply, clauses)
+    begun = told = 0  # clauses whose audio has begun; of them, those whose text went out with a chunk
+    ended = opened = False
+    loop = asyncio.get_running_loop()
     try:
-        waits.wait("synthesis", LLM)
-        if (clause := await clauses.get()) is None:
-            ended = True
+        new = await _written(reply, words, waits)
+        if not new:
+            ended = True  # nothing to say
             return
-        waits.wait("synthesis", TTS)
         if reply.ahead is not None and reply.ahead.first is not None:
             await reply.ahead.first.cancel()  # (none is started where the TTS takes words)
         reply.mark("tts_request_ms", started)
         await bounded(backends.tts_open(uid, host.reply_voice(reply)), timeout_s)
-        new, final, hungry = [clause], False, False
-        progress = asyncio.get_running_loop().time()
+        opened, all_said, hungry, progress = True, False, False, loop.time()
         while True:
-            if hungry and not new and not final:
-                waits.wait("synthesis", LLM)  # the TTS has said all it was given
-                new.append(await clauses.get())
-                waits.wait("synthesis", TTS)
-                progress = asyncio.get_running_loop().time()
-            while not clauses.empty():
-                new.append(clauses.get_nowait())
-            if new and new[-1] is None:
-                new.pop()
-                final = True
+            if hungry and not new and not all_said:
+                new = await _written(reply, words, waits)
+                progress = loop.time()
+            final = words.done and not all_said
             fed = await bounded(backends.tts_feed(uid, new, final), timeout_s)
-            said += [c for c in new if c.strip()]
-            new = []
+            all_said = all_said or final
             for mark, pcm, codes in fed.chunks:
                 reply.mark("tts_first_chunk_ms", started)
-                text = None
-                if mark is not None and mark >= told:
-                    text, told = " ".join(said[told:mark + 1]), mark + 1
+                begun = max(begun, mark + 1) if mark is not None else begun
+                upto = min(begun, len(words.cut))  # a clause still being written joins a later chunk
+                text = " ".join(words.cut[told:upto]) if upto > told else None
+                told = max(told, upto)
                 chunks.put_nowait((text, pcm, codes))
             ended, hungry = fed.ended, fed.hungry
             if ended:
                 return
-            now = asyncio.get_running_loop().time()
+            now = loop.time()
             if fed.chunks or hungry:
                 progress = now
             elif now - progress > timeout_s:
                 raise EngineUnavailable(f"the TTS made no audio within {timeout_s:g} s")
-            if final:
-                final = False  # said once; the next feeds only take what was made
-                new, hungry = [], False
+            words.take()
+            new = [] if all_said else words.pieces()  # all said: the next feeds only take what was made
     finally:
         waits.done("synthesis")
         chunks.put_nowait(None)
-        if not ended:  # cut short: free its row now (shielded: this task may be cancelled)
+        if opened and not ended:  # cut short: free its row now (shielded: this task may be cancelled)
             with contextlib.suppress(Exception):
                 await asyncio.shield(backends.tts_close(uid))
+
+
+async def _written(reply, words: Words, waits) -> list[tuple[str, bool]]:
+    """The LLM's next whole words (none once it has written its last), waited for."""
+    waits.wait("synthesis", LLM)
+    while True:
+        reply.wrote.clear()
+        words.take()
+        new = words.pieces()
+        if new or words.done:
+            waits.wait("synthesis", TTS)
+            return new
+        await reply.wrote.wait()

@@ -60,8 +60,8 @@ class LocalBackends(Backends):
     async def tts_open(self, uid: str, voice: Voice | None = None) -> None:
         await self.tts.open(uid, voice)
 
-    async def tts_feed(self, uid: str, clauses: list[str], final: bool = False) -> Fed:
-        return await self.tts.feed(uid, clauses, final)
+    async def tts_feed(self, uid: str, pieces: list[tuple[str, bool]], final: bool = False) -> Fed:
+        return await self.tts.feed(uid, pieces, final)
 
     async def tts_close(self, uid: str) -> None:
         await self.tts.close(uid)

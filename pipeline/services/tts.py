@@ -125,16 +125,16 @@ class TTSService:
         self._utterances[uid] = (await self.thread.open(self.engine.open, profile.speaker, profile.reference), now)
         self._ensure_stepping()
 
-    async def feed(self, uid: str, clauses: list[str], final: bool = False, wait_s: float = 0.5) -> Fed:
-        """Say ``clauses`` (whole words; ``final``: the utterance's text is all in) into utterance
-        ``uid``, then give the chunks made since the last feed, waiting up to ``wait_s`` for the
+    async def feed(self, uid: str, pieces: list[tuple[str, bool]], final: bool = False, wait_s: float = 0.5) -> Fed:
+        """Say ``pieces`` ((whole words, whether they begin a clause) each; ``final``: the utterance's
+        text is all in) into utterance ``uid``, then give the chunks made since the last feed, waiting up to ``wait_s`` for the
         first one, unless the utterance waits for words (``Fed.hungry``: then nothing comes until
-        more clauses do). One call in flight per utterance: its caller feeds again once this
-        answers, with the clauses the LLM wrote meanwhile."""
+        more words do). One call in flight per utterance: its caller feeds again once this
+        answers, with the words the LLM wrote meanwhile."""
         s = self._utterance(uid)
         self._utterances[uid] = (s, time.monotonic())
-        if clauses or final:  # one hop to the inference thread for all of them
-            await self.thread.run(self._say, s, clauses, final)
+        if pieces or final:  # one hop to the inference thread for all of them
+            await self.thread.run(self._say, s, [(str(t), bool(c)) for t, c in pieces] or [("", False)], final)
         wake = self._wakeups[s] = asyncio.Event()
         chunks: list = []
         try:
@@ -158,9 +158,9 @@ class TTSService:
             self._utterances.pop(uid, None)
         return Fed(chunks, ended, hungry and not ended)
 
-    def _say(self, s, clauses: list[str], final: bool) -> None:
-        for i, clause in enumerate(clauses or [""]):
-            self.engine.say(s, clause, final and i == max(len(clauses), 1) - 1)
+    def _say(self, s, pieces: list[tuple[str, bool]], final: bool) -> None:
+        for i, (text, clause) in enumerate(pieces):
+            self.engine.say(s, text, final and i == len(pieces) - 1, clause)
 
     async def close(self, uid: str) -> None:
         """End utterance ``uid`` now (its reply was cut short), freeing its row; idempotent."""

@@ -130,23 +130,24 @@ class DSMEngine(StreamRows):
         self._waiting.append(s)
         return s
 
-    def say(self, s: TTSStream, clause: str, final: bool = False) -> None:
-        """The stream's next clause, whole words (``final``: its last). A clause that is not empty is
-        counted, and the chunk its audio begins with carries its index (``TTSStream.take_marked``)."""
+    def say(self, s: TTSStream, text: str, final: bool = False, clause: bool = True) -> None:
+        """The stream's next words, whole (``final``: its last); ``clause``: they begin a clause (else
+        they go on the one before). A clause begun with words is counted, and the chunk its audio
+        begins with carries its index (``TTSStream.take_marked``)."""
         if s.ended:
             raise ValueError("this stream's last clause was already said")
         s.ended = final
         if s.closed:
             return
         if s.row is None:
-            s.said.append((clause, final))  # it goes in when the stream takes a row
+            s.said.append((text, final, clause))  # it goes in when the stream takes a row
         else:
-            self._say(s, clause, final)
+            self._say(s, text, final, clause)
 
-    def _say(self, s: TTSStream, clause: str, final: bool) -> None:
-        if clause.strip():
+    def _say(self, s: TTSStream, text: str, final: bool, clause: bool) -> None:
+        if clause and text.strip():
             s.starts.append(self.slots.made(s.row))  # the entry its first word gets
-        self.slots.push(s.row, clause if final else clause + " ", final)  # a space: its last word is whole
+        self.slots.push(s.row, text if final else text + " ", final)  # a space: its last word is whole
 
     def hungry(self, s: TTSStream) -> bool:
         """``s`` holds a row and waits for more words before it can go on (its text is not all in)."""
@@ -208,8 +209,8 @@ class DSMEngine(StreamRows):
             r = self._rows.index(None)
             self.slots.open(r, s.voice)
             self._rows[r], s.row = s, r
-            for clause, final in s.said:
-                self._say(s, clause, final)
+            for text, final, clause in s.said:
+                self._say(s, text, final, clause)
             s.said.clear()
             reset = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
             reset[r] = True
