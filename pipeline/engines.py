@@ -2,7 +2,7 @@
 the per-request settings a session may send with a call.
 
 The contract is deliberately small: one STT stream per spoken turn, an LLM text stream, a TTS
-audio stream (a clause each, or one utterance per reply fed clause by clause) and a Mimi encode. ``pipeline.services.LocalBackends`` (in-process services) and
+audio stream (a clause each, or one utterance per reply fed word by word) and a Mimi encode. ``pipeline.services.LocalBackends`` (in-process services) and
 ``deployments.gateway.RayBackends`` (deployment handles) implement it; the model replicas import
 this module for the failures they raise, never the conversation logic.
 
@@ -168,7 +168,7 @@ class Backends(Protocol):
 
 
 def takes_words(backends) -> bool:
-    """Whether ``backends``' TTS speaks a reply as one utterance fed clause by clause (DSM)."""
+    """Whether ``backends``' TTS speaks a reply as one utterance fed word by word (DSM)."""
     return getattr(backends, "tts_words", False)
 
 

@@ -1,5 +1,5 @@
 """The TTS's service: many streams in one engine's batched step (a clause each, or one
-utterance per reply fed clause by clause), and the Mimi encode."""
+utterance per reply fed word by word), and the Mimi encode."""
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +37,9 @@ class TTSService:
     a consumer that stops early cancels its stream, which frees its slot before the next step.
     Stateless across requests: the conversation context comes with each request (the session
     owns it). An engine that takes words (DSM) also serves utterances, one per reply: ``open``,
-    ``say`` each clause as the LLM writes it, ``chunks``; their calls must reach this replica
-    (the TTS deployment routes them by utterance id)."""
+    then ``feed`` its words as the LLM writes them and take the chunks made, until it has ended
+    (``close``: cut short); their calls must reach this replica (the TTS deployment routes them
+    by utterance id)."""
 
     def __init__(self, engine, thread: InferenceThread, unread_after_s: float = 10.0):
         self.engine, self.thread = engine, thread

@@ -3,8 +3,8 @@ same ``stream`` / ``step`` / ``cancel`` and :class:`~pipeline.tts.stream.TTSStre
 engine, over :class:`~pipeline.tts.dsm.slots.DSMSlots` and one batched Mimi decode per step.
 
 A stream takes a free row when one is free (else it waits, first come first served), with its
-voice. Its text goes in whole (:meth:`DSMEngine.stream`, a clause) or clause by clause as the LLM
-writes them (:meth:`DSMEngine.open`, then :meth:`DSMEngine.say`: one stream per reply, so the
+voice. Its text goes in whole (:meth:`DSMEngine.stream`, a clause) or word by word as the LLM
+writes it (:meth:`DSMEngine.open`, then :meth:`DSMEngine.say`: one stream per reply, so the
 model's lead of text on audio is paid once, not per clause); each clause's first chunk is marked.
 Each step runs the rows that can go on, and decodes in one Mimi call the frames that carry audio
 on every codebook (the first ~19 of a stream are the text's lead on the audio). A stream ends when
@@ -120,7 +120,7 @@ class DSMEngine(StreamRows):
         return s
 
     def open(self, speaker: str | None = None, reference=None) -> TTSStream:
-        """A stream in voice ``speaker`` whose text comes clause by clause (:meth:`say`): one reply's
+        """A stream in voice ``speaker`` whose text comes word by word (:meth:`say`): one reply's
         speech, its words joining as the LLM writes them. It takes a row at a later step."""
         self.voices.voice(speaker or "default", reference)
         if len(self._waiting) >= self.cfg.max_waiting:
