@@ -25,6 +25,7 @@ from pipeline.adapters.webrtc.config import read_webrtc_section
 from pipeline.session_config import read_session_section
 from pipeline.stt.config import STTConfig
 from pipeline.tts.config import TTSConfig
+from pipeline.tts.families import TTSFamilies
 
 log = logging.getLogger(__name__)
 PROFILES = ("tiny", "full", "real")
@@ -42,7 +43,8 @@ class AppArgs(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     stt: dict[str, Any] = {}
     llm: dict[str, Any] = {}
-    tts: dict[str, Any] = {}
+    # One TTS's settings, or a list of two of different families served at once (pipeline/tts/families.py)
+    tts: dict[str, Any] | list[dict[str, Any]] = {}
     session: dict[str, Any] = {}
     # Who may connect (pipeline/door/auth.py, docs/protocol.md "Authentication and limits"). Unset,
     # auth is on (mode token) and the server does not start without a token: serving open
@@ -82,11 +84,15 @@ def _llm_settings(llm: dict[str, Any]) -> dict[str, Any]:
 def configs(args: AppArgs) -> dict[str, Any]:
     """Every setting checked before anything starts: engines, then session, then auth (last, so a
     typo elsewhere is reported as itself, not as a missing token)."""
+    entries = args.tts if isinstance(args.tts, list) else [args.tts]
+    if not 1 <= len(entries) <= 2:
+        raise ValueError(f"tts: one engine's settings, or a list of two (one per family); got {len(entries)} entries")
+    families = TTSFamilies(*(_engine_config(TTSConfig, args.profile, args.device, e) for e in entries))
     engines = {"stt": _engine_config(STTConfig, args.profile, args.device, args.stt),
                "llm": _engine_config(LLMConfig, args.profile, args.device, _llm_settings(args.llm)),
-               "tts": _engine_config(TTSConfig, args.profile, args.device, args.tts)}
+               "tts": families.first, "tts_second": families.second}
     read_session_section(args.session)  # unknown names and bad values (a limit of 0) stop `serve run` here
-    check_phone_agents(read_phone_section(args.phone), engines["tts"].voice_names(), offer_of(engines))
+    check_phone_agents(read_phone_section(args.phone), families.voice_names(), offer_of(engines))
     read_webrtc_section(args.webrtc)
     auth_fields = {f.name for f in dataclasses.fields(AuthConfig)}
     unknown = set(args.auth) - auth_fields
@@ -97,10 +103,15 @@ def configs(args: AppArgs) -> dict[str, Any]:
             "webrtc": dict(args.webrtc)}
 
 
+def families_of(engines: dict[str, Any]) -> TTSFamilies:
+    return TTSFamilies(engines["tts"], engines.get("tts_second"))
+
+
 def offer_of(engines: dict[str, Any]) -> VoiceOffer:
-    """What sessions may choose: the languages the recogniser hears and each voice speaks, and voice clips
-    (CSM only)."""
-    return VoiceOffer(engines["stt"].heard(), engines["tts"].voice_languages(), engines["tts"].family == "csm")
+    """What sessions may choose: the languages the recogniser hears and each voice speaks, and which
+    voices take a voice clip (CSM's)."""
+    families = families_of(engines)
+    return VoiceOffer(engines["stt"].heard(), families.voice_languages(), families.word_voices())
 
 
 def check_phone_agents(phone, voices: tuple[str, ...], offer: VoiceOffer) -> None:
@@ -118,8 +129,20 @@ def build_app(args: dict[str, Any]) -> Application:
     if os.environ.get(metrics.MULTIPROC_ENV):
         metrics.prepare_multiproc_dir(os.environ[metrics.MULTIPROC_ENV])
     window = read_session_section(cfg["session"])[1].resume_window_s
-    words = cfg["tts"].family == "dsm"  # one utterance per reply, held by the replica that opened it
-    tts = TTS.options(request_router_config=STICKY_ROUTER) if words else TTS
-    return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), tts.bind(cfg["tts"]), cfg["session"], cfg["auth"],
-                        cfg["tts"].voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window),
+    families = families_of(cfg)
+    tts = [_tts_deployment(c, c is families.first) for c in families.configs]
+    words = next((t for c, t in zip(families.configs, tts) if c.family == "dsm"), None)
+    clauses = next((t for c, t in zip(families.configs, tts) if c.family == "csm"), tts[0])
+    return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), clauses, cfg["session"], cfg["auth"],
+                        families.voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window),
                         cfg["phone"], cfg["webrtc"], offer_of(cfg), words)
+
+
+def _tts_deployment(cfg: TTSConfig, first: bool):
+    """One family's TTS deployment; the family that takes words (DSM) holds each reply's utterance in
+    the replica that opened it, so its calls are routed by utterance id."""
+    name = TTSFamilies.deployment_name(cfg, first)
+    options = {"name": name} if not first else {}
+    if cfg.family == "dsm":
+        options["request_router_config"] = STICKY_ROUTER
+    return TTS.options(**options).bind(cfg, name.lower())

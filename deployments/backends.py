@@ -9,7 +9,7 @@ from ray.serve.handle import DeploymentHandle
 
 from pipeline.audio_constants import USER_RATE
 from pipeline.engines import (Backends, EngineUnavailable, Fed, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall,
-                              Voice)
+                              Voice, WordVoices)
 
 # What Ray raises when the replica serving a call is gone or cannot be reached: the session
 # tells its client engine_unavailable (and carries on), never internal.
@@ -48,9 +48,12 @@ class RayBackends(Backends):
     routing key, so the STT deployment's consistent-hash router sends them all to the replica that
     holds the stream (UnknownStream comes back as itself); so does every call of one TTS utterance."""
 
-    def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, tts_words: bool = False):
+    def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle,
+                 words: DeploymentHandle | None = None, word_voices: WordVoices = WordVoices()):
+        """``words``: the TTS deployment of the family that takes words (DSM), routed by utterance id,
+        which speaks ``word_voices`` (``tts`` itself where it is the only one); ``tts`` speaks the others."""
         self.stt, self.llm, self.tts = stt, llm, tts
-        self.tts_words = tts_words  # the TTS family takes words (DSM): its deployment routes by utterance id
+        self.words, self.word_voices = words, word_voices
 
     def _stt(self, sid: str) -> DeploymentHandle:
         return self.stt.options(session_id=sid)
@@ -83,14 +86,15 @@ class RayBackends(Backends):
 
     def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None
                    ) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
-        return _remote_stream(self.tts.options(stream=True).stream.remote(text, context, voice))
+        speaker = self.words if self.words is not None and voice in self.word_voices else self.tts
+        return _remote_stream(speaker.options(stream=True).stream.remote(text, context, voice))
 
     @_engine_call
     async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
         return await self.tts.encode.remote(pcm, rate)
 
     def _tts(self, uid: str) -> DeploymentHandle:
-        return self.tts.options(session_id=uid)
+        return (self.words or self.tts).options(session_id=uid)
 
     @_engine_call
     async def tts_open(self, uid: str, voice: Voice | None = None) -> None:

@@ -71,12 +71,13 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
     def __init__(self, stt: DeploymentHandle, llm: DeploymentHandle, tts: DeploymentHandle, session: dict,
                  auth: dict, voices: tuple[str, ...] = ("default",), tickets: DeploymentHandle | None = None,
                  store: DeploymentHandle | None = None, phone: dict | None = None, webrtc: dict | None = None,
-                 offer: VoiceOffer | None = None, tts_words: bool = False):
+                 offer: VoiceOffer | None = None, words: DeploymentHandle | None = None):
         metrics.serve_node_metrics()  # one replica of the node serves its metrics (pipeline/metrics.py)
-        self.backends = RayBackends(stt, llm, tts, tts_words)
-        self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
         self.offer = offer or VoiceOffer()  # what the recogniser hears, and which voice speaks what
-        self.handles = {"stt": stt, "llm": llm, "tts": tts}
+        self.backends = RayBackends(stt, llm, tts, words, self.offer.word_voices)  # words: DSM's deployment
+        self.voices = tuple(voices)  # what a session may choose (the TTS replica's voices and their aliases)
+        # The model deployments by name, lower case (stt, llm, tts, and a second TTS family's tts_<family>)
+        self.handles = {h.deployment_name.lower(): h for h in (stt, llm, tts, words) if h is not None}
         self.tickets = tickets  # the redeemed-ticket record every gateway replica shares (deployments/tickets.py)
         self.session_cfg, self.limits = read_session_section(dict(session))
         metrics.export_gateway_series()  # at 0 from the start, so dashboards and alerts see them
@@ -131,14 +132,13 @@ class Gateway(PhoneRoutes, WebRTCRoutes):
     async def _serve_states(self) -> dict[str, dict]:
         """Each model deployment's status and replica states from Serve's controller; {} when it
         does not answer within 2 s, which /healthz counts as not healthy."""
-        deployment_names = {"stt": "STT", "llm": "LLM", "tts": "TTS"}
         try:
             app = await asyncio.wait_for(asyncio.to_thread(_app_status, self._app_name), timeout=2.0)
         except Exception:  # noqa: BLE001 - the controller is busy or restarting
             return {}
         out = {}
-        for key, dep in deployment_names.items():
-            d = app.deployments.get(dep) if app else None
+        for key, handle in self.handles.items():
+            d = app.deployments.get(handle.deployment_name) if app else None
             if d is not None:
                 out[key] = {"status": str(getattr(d.status, "value", d.status)), "replicas": dict(d.replica_states)}
         return out

@@ -1,5 +1,6 @@
 """TTS deployment: a thin adapter over :class:`pipeline.services.TTSService`.
 
+A server may serve two families, each its own deployment (TTS, and TTS_<family>: pipeline/tts/families.py).
 A family that takes words (DSM) holds each reply's utterance in the replica that opened it: the
 app builder then gives this deployment the STT's consistent-hash router, and the gateway sets the
 utterance id as the routing key of its calls (``deployments/backends.py``)."""
@@ -16,9 +17,10 @@ from pipeline.tts.config import TTSConfig
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.75}, max_ongoing_requests=256)
 class TTS(ModelReplica):
-    def __init__(self, cfg: TTSConfig):
-        self.start_engine("tts", cfg, load_tts)
-        self.svc = TTSService(self.engine, self.thread)
+    def __init__(self, cfg: TTSConfig, name: str = "tts"):
+        """``name``: the deployment's, lower case, as its metrics are labelled (tts; a second family's tts_<family>)."""
+        self.start_engine(name, cfg, load_tts)
+        self.svc = TTSService(self.engine, self.thread, label=name)
 
     async def stream(self, text: str, context: list | None = None, voice=None):
         async for item in self.svc.stream(text, context, voice):

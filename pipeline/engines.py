@@ -117,6 +117,20 @@ class Fed:
     hungry: bool
 
 
+@dataclass(frozen=True)
+class WordVoices:
+    """The voices whose TTS family takes words (DSM): ``every`` voice where that family is the only
+    one served, else those ``names`` (a server serving both families speaks each voice with its own).
+    ``None`` as a voice is the server's default voice, named "default"."""
+
+    names: frozenset[str] = frozenset()
+    every: bool = False
+
+    def __contains__(self, voice: "Voice | str | None") -> bool:
+        name = voice.name if isinstance(voice, Voice) else (voice or "default")
+        return self.every or name in self.names
+
+
 class Backends(Protocol):
     """What a session needs from the engines. Audio crosses as contiguous numpy arrays.
 
@@ -128,7 +142,7 @@ class Backends(Protocol):
     checker verifies their signatures and a missing method fails at construction (abstract);
     tests/test_backends.py compares both with it. Test doubles may stay duck-typed: a session
     calls ``llm_stream(messages, sampling=...)``, and with default settings ``tts_stream(text,
-    context)`` and ``tts_encode(pcm)`` exactly so; one without ``tts_words`` is a TTS that takes a
+    context)`` and ``tts_encode(pcm)`` exactly so; one without ``word_voices`` is a TTS that takes a
     clause per stream (:func:`takes_words`)."""
 
     # Any call may raise EngineUnavailable; stt_push and stt_finish raise UnknownStream.
@@ -156,9 +170,10 @@ class Backends(Protocol):
 
     # A TTS that takes words (DSM) speaks a reply as one utterance: opened, then fed its whole words as
     # the LLM writes them, in pieces (words, whether they begin a clause), one feed in flight at a time,
-    # each answering with the chunks made since the last (:class:`Fed`); closed if cut short. It takes no conversation context. Where ``tts_words`` is
-    # False these raise NotImplementedError.
-    tts_words: bool = False
+    # each answering with the chunks made since the last (:class:`Fed`); closed if cut short. It takes no conversation
+    # context. ``word_voices``: the voices so spoken (a server may serve both families, a family per voice);
+    # for the others these raise NotImplementedError.
+    word_voices: WordVoices = WordVoices()
     @abstractmethod
     async def tts_open(self, uid: str, voice: Voice | None = None) -> None: ...  # raises EngineBusy
     @abstractmethod
@@ -167,9 +182,10 @@ class Backends(Protocol):
     async def tts_close(self, uid: str) -> None: ...  # idempotent
 
 
-def takes_words(backends) -> bool:
-    """Whether ``backends``' TTS speaks a reply as one utterance fed word by word (DSM)."""
-    return getattr(backends, "tts_words", False)
+def takes_words(backends, voice: "Voice | str | None" = None) -> bool:
+    """Whether ``backends`` speak ``voice`` (None: the default voice) as one utterance per reply, fed
+    word by word (DSM); a test double without ``word_voices`` takes a clause per stream."""
+    return voice in getattr(backends, "word_voices", WordVoices())
 
 
 async def bounded(call: Awaitable[T], timeout_s: float) -> T:

@@ -25,7 +25,7 @@ def test_serve_config_is_valid(name):
     schema = ServeDeploySchema.model_validate(cfg)
     app = schema.applications[0]
     built = configs(AppArgs(**app.args))
-    assert set(built) == {"stt", "llm", "tts", "session", "auth", "phone", "webrtc"}
+    assert set(built) == {"stt", "llm", "tts", "tts_second", "session", "auth", "phone", "webrtc"}
     assert {built[e].profile for e in ("stt", "llm", "tts")} == {app.args["profile"]}  # one profile, every engine
     deployments = {d.name: d for d in app.deployments}
     assert set(deployments) == {"Gateway", "STT", "LLM", "TTS"}

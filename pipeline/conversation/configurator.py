@@ -28,7 +28,7 @@ class Configurator:
         cfg = dataclasses.replace(s.cfg, **turn_taking) if turn_taking else s.cfg
         settings = s.agent.updated(changes, s.voices, s.offer)
         if voice_clip is not None:
-            changes["voice_reference"] = await self._encode_clip(voice_clip)
+            changes["voice_reference"] = await self._encode_clip(voice_clip, settings.voice)
             settings = s.agent.updated(changes, s.voices, s.offer)
         self.turns.configure(cfg)
         s.cfg = cfg
@@ -41,12 +41,12 @@ class Configurator:
         s.changed.set()
         return settings
 
-    async def _encode_clip(self, clip: C.VoiceClip) -> Segment:
+    async def _encode_clip(self, clip: C.VoiceClip, voice: str) -> Segment:
         """A session's own reference clip -> its context segment (a bucketed encode: never a new
         shape on the TTS replica)."""
-        if not self.shared.offer.voice_clips:
-            raise BadSetting("voice_clip", "this server's voices take no voice clip (they are speaker embeddings: "
-                                           "choose one by its voice name)")
+        if not self.shared.offer.takes_clip(voice):
+            raise BadSetting("voice_clip", f"voice {voice!r} takes no voice clip (it is a speaker embedding: "
+                                           "choose a voice by its name)")
         text = clip.text.strip()
         if not text or len(text) > MAX_VOICE_CLIP_TEXT:
             raise BadSetting("voice_clip", f"a voice clip needs its transcript, of at most {MAX_VOICE_CLIP_TEXT} "

@@ -62,7 +62,7 @@ class Items:
         text = await self.turns.recogniser.transcribe(pcm, f"{self.shared.id}:item")
         item = self.shared.history.add(Item("user", text.strip(), audio=True), after)
         if item.text and len(pcm):
-            self.shared.context.encode_later(item.text, pcm)
+            self.shared.context.encode_later(item.text, pcm, voice=self.shared.agent.tts_voice())
         return item
 
     async def truncate(self, item_id: str, audio_end_ms: int) -> Item:

@@ -137,7 +137,7 @@ class Speculator:
         await self.drop(CANCELLED)
         s = self.shared
         speak, codes = None, None
-        if audio is not None and len(audio) and s.agent.speaks and not takes_words(s.backends):  # (DSM: no context, one utterance)
+        if audio is not None and len(audio) and s.agent.speaks and not takes_words(s.backends, s.agent.tts_voice()):  # (DSM: one utterance)
             codes = s.context.encode_ahead(audio)
             speak = lambda clause: self._first_clause(clause, text, codes)  # noqa: E731
         self.current = Speculation(s.backends.llm_stream(messages, sampling=sampling), messages, sampling,

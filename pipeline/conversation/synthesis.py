@@ -4,7 +4,7 @@ The synthesis runs beside the reply's sender (``pipeline/conversation/reply.py``
 is made as soon as the previous one is, not when it has been played. What it waits on (the LLM's
 next clause, or the TTS) is kept on the reply's dead-air clock.
 
-A TTS that takes words (DSM, ``Backends.tts_words``) speaks the whole reply as one utterance
+A voice whose TTS takes words (DSM, ``Backends.word_voices``) speaks the whole reply as one utterance
 instead (:func:`synthesize_words`): its words are fed as the LLM writes them, so it starts on the
 first words, not the first clause, and its audio comes back as one stream whose chunks mark where
 each clause begins. A stream per clause would pay the model's lead of text on audio (about two
@@ -28,8 +28,8 @@ async def synthesize(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, start
     of the reply's clauses made before it (their generated codes are its context) unless the
     voice changed in between."""
     host = reply.host
-    if takes_words(host.backends):
-        return await synthesize_words(reply, clauses, chunks, started)
+    if takes_words(host.backends, voice := host.reply_voice(reply)):
+        return await synthesize_words(reply, clauses, chunks, started, voice)
     made_text: list[str] = []
     made_codes: list[np.ndarray] = []
     made_voice: Voice | None = None
@@ -114,8 +114,9 @@ class Words:
         return out
 
 
-async def synthesize_words(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, started: float) -> None:
-    """A reply fed into one TTS utterance word by word as the LLM writes it (whole words, cut where a
+async def synthesize_words(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, started: float,
+                           voice: Voice | None = None) -> None:
+    """A reply fed into one TTS utterance in ``voice`` word by word as the LLM writes it (whole words, cut where a
     clause begins), its chunks into ``chunks`` as :func:`synthesize` puts them (the clauses begun
     by a chunk, once the splitter has cut them, on it). One feed in flight at a time (each answers
     with the chunks made since the last); while the utterance waits for words the LLM is awaited,
@@ -137,7 +138,7 @@ async def synthesize_words(reply, clauses: asyncio.Queue, chunks: asyncio.Queue,
         if reply.ahead is not None and reply.ahead.first is not None:
             await reply.ahead.first.cancel()  # (none is started where the TTS takes words)
         reply.mark("tts_request_ms", started)
-        await bounded(backends.tts_open(uid, host.reply_voice(reply)), timeout_s)
+        await bounded(backends.tts_open(uid, voice), timeout_s)
         opened, all_said, hungry, progress = True, False, False, loop.time()
         while True:
             if hungry and not new and not all_said:

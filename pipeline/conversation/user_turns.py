@@ -92,7 +92,7 @@ class UserTurns:
         if item.text:
             history.add(item, after)
             if said.audio is not None:  # encoded once, beside the LLM's first tokens, for the TTS context
-                s.context.encode_later(item.text, said.audio, self.speculator.user_codes(item.text))
+                s.context.encode_later(item.text, said.audio, self.speculator.user_codes(item.text), s.agent.tts_voice())
         previous = history.previous_id(item) if item in history.items else (history.last.id if history.last else None)
         await s.emit(TurnEnded(s.turn, item, said.text, said.words, previous, self.turns.take_audio_s()))
         s.observer.turn_ended(by)

@@ -9,7 +9,8 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.engines import BOT_SPEAKER, USER_SPEAKER, Backends, EngineUnavailable, Segment, bounded, takes_words
+from pipeline.engines import (BOT_SPEAKER, USER_SPEAKER, Backends, EngineUnavailable, Segment, Voice, bounded,
+                              takes_words)
 from pipeline.session_config import SessionConfig
 
 log = logging.getLogger(__name__)
@@ -40,12 +41,13 @@ class VoiceContext:
         encoding, self.encoding = self.encoding, None
         return encoding
 
-    def encode_later(self, text: str, pcm: np.ndarray, codes: asyncio.Task | None = None) -> None:
+    def encode_later(self, text: str, pcm: np.ndarray, codes: asyncio.Task | None = None,
+                     voice: Voice | None = None) -> None:
         """Encode a user turn's audio after the encodes before it: one at a time per conversation,
         and cancelling the last (as :meth:`cancel` does) cancels those it waits on. ``codes``: its
         encode already under way (:meth:`encode_ahead`), taken instead of a second one."""
-        if takes_words(self.backends):
-            return  # a TTS that takes words (DSM) takes no context: nothing to encode
+        if takes_words(self.backends, voice):
+            return  # the session's voice takes words (DSM), and no context: nothing to encode
         before = self.encoding
 
         async def in_turn() -> None:

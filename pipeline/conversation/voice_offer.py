@@ -7,13 +7,16 @@ must speak; None keeps the server's default (the recogniser's own: English for t
 detection for a multilingual one). A code is matched as the recogniser matches it: itself, or
 its primary subtag ("fr-CA" where only "fr" is known); "auto" asks the recogniser to detect and
 leaves the voice unchecked.
+
+A server may serve both families at once, a family per voice: the offer then says which voices
+take a clip (``word_voices``, DSM's, take none).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pipeline.engines import match_language
+from pipeline.engines import WordVoices, match_language
 
 ENGLISH = ("en",)
 AUTO = "auto"
@@ -31,7 +34,8 @@ def _primary(code: str) -> str:
 class VoiceOffer:
     heard: tuple[str, ...] = ENGLISH  # the recogniser's codes
     spoken: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # voice -> its languages (absent: English)
-    voice_clips: bool = True  # a session may send its own voice clip
+    # The voices spoken by a family that takes words (DSM): speaker embeddings, which take no voice clip
+    word_voices: WordVoices = WordVoices()
 
     def resolve(self, language: str) -> str:
         """The recogniser's code for ``language``; LanguageRefused when it does not hear it."""
@@ -54,6 +58,10 @@ class VoiceOffer:
             able = sorted(v for v in self.spoken if _primary(code) in {_primary(s) for s in self.spoken[v]})
             raise LanguageRefused(f"voice {voice!r} speaks {list(speaks)}, not {language!r}; "
                                   + (f"voices for it: {able}" if able else "no voice here speaks it"))
+
+    def takes_clip(self, voice: str) -> bool:
+        """Whether a session speaking with ``voice`` may send its own voice clip (CSM imitates one)."""
+        return voice not in self.word_voices
 
     def describe(self) -> dict:
         """What a client reads of it (v1 ``session.ready``)."""

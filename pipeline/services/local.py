@@ -6,7 +6,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from pipeline.audio_constants import USER_RATE
-from pipeline.engines import Backends, Fed, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall, Voice
+from pipeline.engines import Backends, Fed, LLMFinish, NoFreeSlot, Sampling, Segment, ToolCall, Voice, WordVoices
 from pipeline.runtime.threads import InferenceThread
 from pipeline.services.llm import LLMService, load_llm
 from pipeline.services.stt import STTService, load_stt
@@ -17,9 +17,17 @@ class LocalBackends(Backends):
     """The session's :class:`~pipeline.engines.Backends` over in-process services (no Ray); its
     twin over Ray deployment handles is ``deployments.gateway.RayBackends``."""
 
-    def __init__(self, stt: STTService, llm: LLMService, tts: TTSService):
+    def __init__(self, stt: STTService, llm: LLMService, tts: TTSService, words: TTSService | None = None,
+                 word_voices: WordVoices = WordVoices()):
+        """``tts`` speaks every voice, or with ``words`` (a second family, that takes words) beside it all
+        but ``word_voices``. A ``tts`` that takes words alone speaks every voice so."""
         self.stt, self.llm, self.tts = stt, llm, tts
-        self.tts_words = tts.takes_words
+        if words is None and tts.takes_words:
+            words, word_voices = tts, WordVoices(every=True)
+        self.words, self.word_voices = words, word_voices
+
+    def _speaker(self, voice: Voice | None) -> TTSService:
+        return self.words if self.words is not None and voice in self.word_voices else self.tts
 
     @classmethod
     def build(cls, stt_cfg, llm_cfg, tts_cfg) -> "LocalBackends":
@@ -52,16 +60,19 @@ class LocalBackends(Backends):
 
     def tts_stream(self, text: str, context: list[Segment], voice: Voice | None = None
                    ) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
-        return self.tts.stream(text, context, voice)
+        return self._speaker(voice).stream(text, context, voice)
 
     async def tts_encode(self, pcm: np.ndarray, rate: int = USER_RATE) -> np.ndarray:
         return await self.tts.encode(pcm, rate)
 
+    def _words(self) -> TTSService:
+        return self.words if self.words is not None else self.tts  # (which raises NotImplementedError)
+
     async def tts_open(self, uid: str, voice: Voice | None = None) -> None:
-        await self.tts.open(uid, voice)
+        await self._words().open(uid, voice)
 
     async def tts_feed(self, uid: str, pieces: list[tuple[str, bool]], final: bool = False) -> Fed:
-        return await self.tts.feed(uid, pieces, final)
+        return await self._words().feed(uid, pieces, final)
 
     async def tts_close(self, uid: str) -> None:
-        await self.tts.close(uid)
+        await self._words().close(uid)

@@ -41,7 +41,7 @@ class TTSService:
     (``close``: cut short); their calls must reach this replica (the TTS deployment routes them
     by utterance id)."""
 
-    def __init__(self, engine, thread: InferenceThread, unread_after_s: float = 10.0):
+    def __init__(self, engine, thread: InferenceThread, unread_after_s: float = 10.0, label: str = "tts"):
         self.engine, self.thread = engine, thread
         self._wakeups: dict[object, asyncio.Event] = {}
         self._stepper: asyncio.Task | None = None
@@ -50,11 +50,11 @@ class TTSService:
         self._utterances: dict[str, tuple[object, float]] = {}  # uid -> (its stream, when a call last touched it)
         self._cancelling: set[asyncio.Task] = set()
         self.unread_after_s = unread_after_s
-        self._unseen = metrics.UNSEEN_SHAPES_AFTER_WARMUP.labels(deployment="tts")
+        self._unseen = metrics.UNSEEN_SHAPES_AFTER_WARMUP.labels(deployment=label)
         self._unseen.inc(0)
         self._unseen_seen = engine.stats()["unseen_shape_calls"]
-        self._busy = metrics.TTS_SLOTS_BUSY.labels(deployment="tts")
-        metrics.TTS_SLOTS.labels(deployment="tts").set(engine.num_slots)
+        self._busy = metrics.TTS_SLOTS_BUSY.labels(deployment=label)
+        metrics.TTS_SLOTS.labels(deployment=label).set(engine.num_slots)
         self._busy.set(0)
 
     def _count_unseen_shapes(self) -> None:

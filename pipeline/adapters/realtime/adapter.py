@@ -65,9 +65,9 @@ def check_opening_session(session: Any, server: SessionConfig, voices: tuple[str
     returns its known part. Raises BadSetting or ClientEventError (:func:`refusal` words them)."""
     _, terms, clip = session_object.read(session, session_object.initial("sess", "gapless", server), server)
     offer = offer or VoiceOffer()
-    AgentSettings().updated(terms.agent, voices, offer)
-    if clip is not None and not offer.voice_clips:
-        raise BadSetting("voice_clip", "this server's voices take no voice clip (they are speaker embeddings)")
+    agent = AgentSettings().updated(terms.agent, voices, offer)
+    if clip is not None and not offer.takes_clip(agent.voice):
+        raise BadSetting("voice_clip", f"voice {agent.voice!r} takes no voice clip (it is a speaker embedding)")
     if clip is not None:
         R.voice_clip(clip)
     return session_object.known(session)

@@ -1,0 +1,123 @@
+"""Both TTS families served at once, a family per voice (pipeline/tts/families.py): the serve config's
+``tts:`` as a list of a CSM and a DSM entry builds two TTS deployments (the DSM's hash-routed by
+utterance), offers both families' voices, and a session's replies go to its voice's family: a clause
+per stream on CSM, one utterance fed word by word on DSM, chosen per reply as the session's voice
+changes. Two sessions with voices of different families on the same backends at once, tiny engines
+in-process."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from ray.serve._private.build_app import build_app as built_app
+
+from deployments.app import AppArgs, build_app, configs, offer_of
+from pipeline.adapters.v1 import protocol as P
+from pipeline.adapters.v1.adapter import Session
+from pipeline.llm.config import LLMConfig
+from pipeline.runtime.threads import InferenceThread
+from pipeline.services import LLMService, LocalBackends, STTService, TTSService, load_llm, load_stt, load_tts
+from pipeline.session_config import SessionConfig
+from pipeline.stt.config import STTConfig
+from tests.test_session import Recorder
+
+MARIE = {"voice": "cml-tts/fr/2154_2576_000020.wav", "languages": ["fr"]}
+ARGS = {"auth": {"mode": "none"}, "stt": {"multilingual": True, "num_slots": 2, "endpoint_ms": None},
+        "tts": [{"num_slots": 2, "voices": {"robot": {"speaker": 2}}},
+                {"family": "dsm", "num_slots": 2, "temperature": 0.0, "voices": {"marie": MARIE}}]}
+
+
+def test_a_list_of_two_families_is_one_offer_with_a_deployment_per_family():
+    built = configs(AppArgs(**ARGS))
+    offer = offer_of(built)
+    assert (built["tts"].family, built["tts_second"].family) == ("csm", "dsm")
+    assert offer.voice_languages("marie") == ("fr",) and offer.voice_languages("robot") == ("en",)
+    assert "marie" in offer.word_voices and "robot" not in offer.word_voices and None not in offer.word_voices
+    assert offer.takes_clip("robot") and offer.takes_clip("alloy") and not offer.takes_clip("marie")
+    app = built_app(build_app(ARGS), name="gapless")
+    deps = {d.name: d for d in app.deployments}
+    assert {"TTS", "TTS_dsm"} <= set(deps)
+    routers = {n: deps[n]._deployment_config.request_router_config.request_router_class for n in ("TTS", "TTS_dsm")}
+    assert "ConsistentHash" in str(routers["TTS_dsm"]) and "ConsistentHash" not in str(routers["TTS"])
+    assert (deps["TTS"].init_args[0].family, deps["TTS_dsm"].init_args[0].family) == ("csm", "dsm")
+    gateway = deps["Gateway"].init_args  # the clause family's handle, and the word family's last
+    assert (gateway[2].deployment_name, gateway[-1].deployment_name) == ("TTS", "TTS_dsm")
+    assert "marie" in gateway[5] and "robot" in gateway[5] and "default" in gateway[5]
+
+
+@pytest.mark.parametrize("tts, says", [
+    ([{}, {}, {}], "a list of two"),
+    ([{}, {"voices": {"robot": {"speaker": 2}}}], "two csm entries"),
+    ([{}, {"family": "dsm"}], "names no voice"),
+    ([{"voices": {"marie": {"speaker": 2}}}, {"family": "dsm", "voices": {"marie": MARIE}}], "in both entries"),
+])
+def test_a_bad_list_of_families_stops_the_start_by_name(tts, says):
+    with pytest.raises(ValueError, match=says):
+        configs(AppArgs(**{**ARGS, "tts": tts}))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    built = configs(AppArgs(**ARGS))
+    out = {}
+    for name, load, cfg in (("stt", load_stt, built["stt"]), ("llm", load_llm, LLMConfig.tiny(max_output_tokens=10)),
+                            ("csm", load_tts, built["tts"]), ("dsm", load_tts, built["tts_second"])):
+        thread = InferenceThread(name)
+        out[name] = (thread.call(load, cfg), thread)
+    return out, offer_of(built), built["tts"], built["tts_second"]
+
+
+class Spy:
+    """Both families' services behind one LocalBackends; records each TTS call with its voice."""
+
+    def __init__(self, engines):
+        (e, offer, *_) = engines  # fresh services: their asyncio state belongs to one event loop
+        self.inner = LocalBackends(STTService(*e["stt"]), LLMService(*e["llm"]), TTSService(*e["csm"]),
+                                   words=TTSService(*e["dsm"], label="tts_dsm"), word_voices=offer.word_voices)
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def tts_stream(self, text, context, voice=None):
+        self.calls.append(("stream", voice.name if voice else "default"))
+        return self.inner.tts_stream(text, context, voice)
+
+    async def tts_open(self, uid, voice=None):
+        self.calls.append(("open", voice.name if voice else "default"))
+        await self.inner.tts_open(uid, voice)
+
+
+def test_each_session_is_spoken_by_its_voices_family(engines):
+    _, offer, first, second = engines
+    spy = Spy(engines)
+    voices = tuple(sorted({*first.voice_names(), "marie"}))
+
+    async def session(*updates):
+        rec = Recorder()
+        s = Session(rec, spy, SessionConfig(turn_detection="manual", noise_reduction=None), voices=voices, offer=offer)
+        await s.start()
+        for turn, update in enumerate(updates, 1):
+            await s.on_frame(P.pack({"type": "session.update", **update}))
+            if update.get("voice") == "marie":  # a DSM voice takes no clip
+                await s.on_frame(P.pack({"type": "voice.clip", "pcm": np.zeros(4800, "<i2").tobytes(),
+                                         "text": "Allô.", "done": True}))
+            await s.on_frame(P.client_text("Bonjour, une question." if update.get("language") else "Hello there."))
+            await rec.wait(lambda m, t=turn: m["type"] == "response.done" and m["turn"] == t)
+        await s.close()
+        return rec.msgs
+
+    async def both():  # at once, on the same backends
+        return await asyncio.gather(session({"voice": "robot"}, {"voice": "marie", "language": "fr"}),
+                                    session({"voice": "marie", "language": "fr"}))
+
+    english_then_french, french = asyncio.run(both())
+    for msgs, turns in ((english_then_french, (1, 2)), (french, (1,))):
+        assert [m["param"] for m in msgs if m["type"] == "error"] == ["voice.clip"]
+        for turn in turns:  # every reply spoken
+            assert sum(len(m["pcm"]) for m in msgs if m["type"] == "audio" and m["turn"] == turn) > 0.3 * 24_000 * 2
+    opened = [v for kind, v in spy.calls if kind == "open"]
+    streamed = {v for kind, v in spy.calls if kind == "stream"}
+    assert opened == ["marie", "marie"]  # the two French replies: one utterance each, on DSM
+    assert streamed == {"robot"}  # the English reply: a stream per clause, on CSM
