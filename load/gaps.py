@@ -66,12 +66,15 @@ def client(protocol: str, url: str, token: str | None, audio_format: str = "pcm"
 
 
 async def converse(url: str, turns: int, realtime: bool, token: str | None = None, protocol: str = "v1",
-                   audio_format: str = "pcm") -> tuple[list[dict], Conversation]:
+                   audio_format: str = "pcm", agent: dict | None = None) -> tuple[list[dict], Conversation]:
+    """``agent``: voice and language to set first (None: the server's defaults)."""
     rows = []
     # Synthesize every spoken turn before connecting: nothing may block the client's event loop
     # mid-conversation (it would miss the server's keepalive pings).
     spoken = {i: spoken_audio(i, SPOKEN[(i // 2) % len(SPOKEN)]) for i in range(1, turns, 2)}
     async with client(protocol, url, token, audio_format) as conv:
+        if agent:
+            await _set_agent(conv, protocol, agent)
         for i in range(turns):
             if i % 2 == 0:
                 text = TYPED[(i // 2) % len(TYPED)]
@@ -84,6 +87,18 @@ async def converse(url: str, turns: int, realtime: bool, token: str | None = Non
             rows.append(turn_row(tr, kind, seconds))
             print(f"turn {tr.turn}: {kind}, {len(tr.chunks)} chunks", file=sys.stderr, flush=True)
     return rows, conv
+
+
+async def _set_agent(conv, protocol: str, agent: dict) -> None:
+    if protocol == "v1":
+        answer = await conv.update(**agent)
+    else:
+        audio = {"output": {"voice": agent["voice"]}} if "voice" in agent else {}
+        if "language" in agent:
+            audio["input"] = {"transcription": {"language": agent["language"]}}
+        answer = await conv.update({"audio": audio})
+    if answer["type"] == "error":
+        raise RuntimeError(f"the session refused {agent}: {answer.get('message') or answer.get('error')}")
 
 
 def turn_row(tr: TurnResult, kind: str, input_s: float) -> dict:
@@ -189,18 +204,21 @@ def main(argv: list[str] | None = None) -> int:
     add_token_argument(ap)
     ap.add_argument("--max-gap-ms", type=float, default=500)
     ap.add_argument("--realtime", action="store_true", help="send spoken audio at real-time pace")
+    ap.add_argument("--voice", default=None, help="the session's voice (default: the server's)")
+    ap.add_argument("--language", default=None, help="the session's language, e.g. fr (default: the server's)")
     ap.add_argument("--out", default="out/gap", help="prefix of the JSON report and PNG timeline")
     args = ap.parse_args(argv)
+    agent = {k: v for k, v in (("voice", args.voice), ("language", args.language)) if v is not None}
     max_gap_s = args.max_gap_ms / 1000
     url = args.url or URLS[args.protocol]
     meter = ProcessCPU() if args.process_cpu else None
     try:
         rows, conv = asyncio.run(converse(url, args.turns, args.realtime, args.token, args.protocol,
-                                          args.audio_format))
+                                          args.audio_format, agent))
     except Exception as exc:  # noqa: BLE001 - report and fail
         print(f"conversation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    summary = {"protocol": args.protocol, **summarize(rows, max_gap_s)}
+    summary = {"protocol": args.protocol, **agent, **summarize(rows, max_gap_s)}
     if meter is not None:
         audio_s = sum(r["audio_s"] for r in rows)
         summary.update({f"{name}_cpu_ms_per_audio_s": round(1000 * cpu / audio_s, 2)
