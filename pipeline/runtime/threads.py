@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -85,9 +85,9 @@ class InferenceThread:
         loop = asyncio.get_running_loop()
         return await asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs), loop=loop)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn`` on the inference thread without waiting (clean-up after cancellation)."""
-        self._executor.submit(fn, *args)
+        return self._executor.submit(fn, *args)
 
     async def iterate(self, make: Callable[..., Iterator[T]], *args: Any,
                       last: Callable[[Iterator[T]], T | None] | None = None, **kwargs: Any) -> AsyncIterator[T]:

@@ -3,6 +3,7 @@ utterance per reply fed word by word), and the Mimi encode."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import AsyncIterator
@@ -48,7 +49,6 @@ class TTSService:
         self._failure: BaseException | None = None
         self._encoding = asyncio.Lock()
         self._utterances: dict[str, tuple[object, float]] = {}  # uid -> (its stream, when a call last touched it)
-        self._cancelling: set[asyncio.Task] = set()
         self.unread_after_s = unread_after_s
         self._unseen = metrics.UNSEEN_SHAPES_AFTER_WARMUP.labels(deployment=label)
         self._unseen.inc(0)
@@ -201,9 +201,18 @@ class TTSService:
         finally:
             self._wakeups.pop(s, None)
             if not s.finished:  # stopped early: free the slot on the inference thread, before the next step
-                task = asyncio.get_running_loop().create_task(self._cancel(s))
-                self._cancelling.add(task)
-                task.add_done_callback(self._cancelling.discard)
+                self._cancel_soon(s)
+
+    def _cancel_soon(self, s) -> None:
+        """End ``s`` on the inference thread (queued before any later step), then step on. No task:
+        a stream left as its event loop shuts down (a generator finalised then) leaves none pending."""
+        loop = asyncio.get_running_loop()
+
+        def step_on(_) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile: nothing to step
+                loop.call_soon_threadsafe(self._ensure_stepping)
+
+        self.thread.submit(self.engine.cancel, s).add_done_callback(step_on)
 
     async def _cancel(self, s) -> None:
         """End ``s`` on the inference thread; then the row it freed may take a waiting stream."""
