@@ -13,6 +13,8 @@ import pytest
 from ray.serve._private.build_app import build_app as built_app
 
 from deployments.app import AppArgs, build_app, configs, offer_of
+from deployments.backends import RayBackends
+from pipeline.engines import Voice
 from pipeline.adapters.v1 import protocol as P
 from pipeline.adapters.v1.adapter import Session
 from pipeline.llm.config import LLMConfig
@@ -55,6 +57,62 @@ def test_a_list_of_two_families_is_one_offer_with_a_deployment_per_family():
 def test_a_bad_list_of_families_stops_the_start_by_name(tts, says):
     with pytest.raises(ValueError, match=says):
         configs(AppArgs(**{**ARGS, "tts": tts}))
+
+
+class Handle:
+    """A deployment handle that records each call: (deployment, method, its options)."""
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls, self.opts = name, calls, {}
+
+    def options(self, **opts):
+        handle = Handle(self.name, self.calls)
+        handle.opts = {**self.opts, **opts}
+        return handle
+
+    def __getattr__(self, method):
+        handle = self
+
+        class Method:
+            @staticmethod
+            def remote(*args):
+                handle.calls.append((handle.name, method, handle.opts))
+                return Stream() if handle.opts.get("stream") else asyncio.sleep(0)
+
+        return Method
+
+
+class Stream:
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise StopAsyncIteration
+
+    def cancel(self):
+        pass
+
+
+def test_a_dsm_first_list_routes_each_voice_to_its_deployment_over_ray():
+    args = {**ARGS, "tts": [{"family": "dsm", "num_slots": 2, "voices": {"marie": MARIE}},
+                            {"num_slots": 2, "voices": {"robot": {"speaker": 2}}, "voice_aliases": {"bob": "robot"}}]}
+    gateway = {d.name: d for d in built_app(build_app(args), name="gapless").deployments}["Gateway"].init_args
+    assert (gateway[2].deployment_name, gateway[-1].deployment_name) == ("TTS_csm", "TTS")  # clauses, words
+    calls: list = []
+    ray = RayBackends(None, None, Handle("TTS_csm", calls), Handle("TTS", calls), offer_of(configs(AppArgs(**args))).word_voices)
+
+    async def go():
+        for voice in (None, Voice("alloy"), Voice("marie"), Voice("robot"), Voice("bob")):
+            [_ async for _ in ray.tts_stream("Hi.", [], voice)]
+        await ray.tts_open("u1", Voice("marie"))
+        await ray.tts_feed("u1", [("Bonjour", True)], True)
+        await ray.tts_close("u1")
+
+    asyncio.run(go())
+    assert [(name, method) for name, method, _ in calls] == [
+        ("TTS", "stream"), ("TTS", "stream"), ("TTS", "stream"), ("TTS_csm", "stream"), ("TTS_csm", "stream"),
+        ("TTS", "open"), ("TTS", "feed"), ("TTS", "close")]
+    assert all(opts.get("session_id") == "u1" for _, method, opts in calls if method != "stream")
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +181,54 @@ def test_each_session_is_spoken_by_its_voices_family(engines):
     streamed = {v for kind, v in spy.calls if kind == "stream"}
     assert opened == ["marie", "marie"]  # the two French replies: one utterance each, on DSM
     assert streamed == {"robot"}  # the English reply: a stream per clause, on CSM
+
+
+class VoiceChangedMidReply(Spy):
+    """An LLM that writes one clause, then waits for ``gate`` before its second."""
+
+    def __init__(self, engines):
+        super().__init__(engines)
+        self.gate, self.streamed = asyncio.Event(), asyncio.Event()
+
+    def tts_stream(self, text, context, voice=None):
+        self.streamed.set()
+        return super().tts_stream(text, context, voice)
+
+    async def llm_stream(self, messages, sampling):
+        for i, word in enumerate("Hello there, my friend. The sea is calm today, and the sky is clear.".split(" ")):
+            if i == 4:
+                await self.gate.wait()
+            await asyncio.sleep(0)
+            yield ("" if i == 0 else " ") + word
+
+
+def test_a_change_to_a_dsm_voice_mid_reply_takes_the_next_reply_not_the_next_clause(engines):
+    _, offer, first, _ = engines
+    spy = VoiceChangedMidReply(engines)
+
+    async def go():
+        rec = Recorder()
+        cfg = SessionConfig(turn_detection="manual", noise_reduction=None, engine_timeout_s=6.0)
+        s = Session(rec, spy, cfg, voices=tuple(sorted({*first.voice_names(), "marie"})), offer=offer)
+        await s.start()
+        await s.on_frame(P.pack({"type": "session.update", "voice": "robot"}))
+        await s.on_frame(P.client_text("Hello there."))
+        await spy.streamed.wait()  # the first clause went to CSM
+        await s.on_frame(P.pack({"type": "session.update", "voice": "marie"}))
+        await rec.wait(lambda m: m["type"] == "session.updated" and m["settings"]["voice"] == "marie")
+        spy.gate.set()
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 1)
+        spy.gate = asyncio.Event()
+        spy.gate.set()
+        await s.on_frame(P.client_text("And now?"))
+        await rec.wait(lambda m: m["type"] == "response.done" and m["turn"] == 2)
+        await s.close()
+        return rec.msgs
+
+    msgs = asyncio.run(go())
+    assert not [m for m in msgs if m["type"] == "error"]
+    # the reply begun in the CSM voice ends in it (a clause per stream); the next is one DSM utterance
+    *streams, last = spy.calls
+    assert len(streams) >= 2 and set(streams) == {("stream", "robot")} and last == ("open", "marie"), spy.calls
+    for turn in (1, 2):
+        assert sum(len(m["pcm"]) for m in msgs if m["type"] == "audio" and m["turn"] == turn) > 0.3 * 24_000 * 2

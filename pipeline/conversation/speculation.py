@@ -143,9 +143,11 @@ class Speculator:
         self.current = Speculation(s.backends.llm_stream(messages, sampling=sampling), messages, sampling,
                                    s.cfg.engine_timeout_s, speak, s.cfg.clause_max_words, codes)
 
-    def _first_clause(self, clause: str, text: str, codes: asyncio.Task) -> FirstClause:
+    def _first_clause(self, clause: str, text: str, codes: asyncio.Task) -> FirstClause | None:
         s = self.shared
         voice = s.agent.tts_voice()
+        if takes_words(s.backends, voice):
+            return None  # the voice changed to one that takes words (DSM): its reply is one utterance
 
         async def start():
             context = s.context.with_user(text, await asyncio.shield(codes))

@@ -28,7 +28,8 @@ async def synthesize(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, start
     of the reply's clauses made before it (their generated codes are its context) unless the
     voice changed in between."""
     host = reply.host
-    if takes_words(host.backends, voice := host.reply_voice(reply)):
+    voice = host.reply_voice(reply)
+    if takes_words(host.backends, voice):
         return await synthesize_words(reply, clauses, chunks, started, voice)
     made_text: list[str] = []
     made_codes: list[np.ndarray] = []
@@ -45,7 +46,8 @@ async def synthesize(reply, clauses: asyncio.Queue, chunks: asyncio.Queue, start
                 await reply.encoding  # the user's turn joins the context before the first clause
                 reply.encoding = None
             reply.mark("tts_request_ms", started)  # the first clause goes to the TTS (its context ready)
-            voice = host.reply_voice(reply)
+            now = host.reply_voice(reply)  # a new voice takes the next clause, unless it takes words (DSM
+            voice = voice if takes_words(host.backends, now) else now  # speaks a reply whole: from the next)
             if voice != made_voice:
                 made_text, made_codes, made_voice = [], [], voice
             context = host.tts_context()

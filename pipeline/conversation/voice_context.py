@@ -46,8 +46,10 @@ class VoiceContext:
         """Encode a user turn's audio after the encodes before it: one at a time per conversation,
         and cancelling the last (as :meth:`cancel` does) cancels those it waits on. ``codes``: its
         encode already under way (:meth:`encode_ahead`), taken instead of a second one."""
-        if takes_words(self.backends, voice):
-            return  # the session's voice takes words (DSM), and no context: nothing to encode
+        if takes_words(self.backends, voice):  # the session's voice takes words (DSM), and no context
+            if codes is not None:
+                codes.cancel()  # (made ahead for a voice the session has left)
+            return
         before = self.encoding
 
         async def in_turn() -> None:

@@ -204,11 +204,14 @@ class TTSService:
                 self._cancel_soon(s)
 
     def _cancel_soon(self, s) -> None:
-        """End ``s`` on the inference thread (queued before any later step), then step on. No task:
-        a stream left as its event loop shuts down (a generator finalised then) leaves none pending."""
+        """End ``s`` on the inference thread (queued before any later step), then step on. No task
+        awaits it: a stream left as its event loop shuts down (a generator finalised then) leaves
+        no cancel pending."""
         loop = asyncio.get_running_loop()
 
-        def step_on(_) -> None:
+        def step_on(done) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                log.error("TTS cancel failed", exc_info=done.exception())
             with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile: nothing to step
                 loop.call_soon_threadsafe(self._ensure_stepping)
 

@@ -30,7 +30,8 @@ class TTSFamilies:
                              "named voices (voices:), the first entry's default stays the server's")
         clash = sorted(set(own) & set(self.first.voice_names()))
         if clash:
-            raise ValueError(f"tts: voice names {clash} are in both entries; each voice belongs to one family")
+            raise ValueError(f"tts: voice names {clash} are in both entries (the first's include OpenAI's voice names "
+                             "unless its voice_aliases says otherwise); each voice belongs to one family")
 
     @staticmethod
     def own_names(cfg: TTSConfig) -> tuple[str, ...]:
