@@ -131,8 +131,8 @@ def build_app(args: dict[str, Any]) -> Application:
     window = read_session_section(cfg["session"])[1].resume_window_s
     families = families_of(cfg)
     tts = [_tts_deployment(c, c is families.first) for c in families.configs]
-    words = next((t for c, t in zip(families.configs, tts) if c.family == "dsm"), None)
-    clauses = next((t for c, t in zip(families.configs, tts) if c.family == "csm"), tts[0])
+    words = next((t for c, t in zip(families.configs, tts) if c is families.words()), None)
+    clauses = next((t for c, t in zip(families.configs, tts) if c is not families.words()), tts[0])
     return Gateway.bind(STT.bind(cfg["stt"]), LLM.bind(cfg["llm"]), clauses, cfg["session"], cfg["auth"],
                         families.voice_names(), TicketLedger.bind(), SessionStore.bind(window_s=window),
                         cfg["phone"], cfg["webrtc"], offer_of(cfg), words)
